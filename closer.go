@@ -1,0 +1,109 @@
+package sqlbroker
+
+import (
+	"context"
+	"github.com/ThreeDotsLabs/watermill"
+	"time"
+)
+
+// CloseReport says what a shutdown did. Its figures count what the shutdown itself did, so a
+// tool can compare them with pg_locks and pg_stat_activity.
+type CloseReport struct {
+	// LocksReleased is the number of advisory locks the shutdown released.
+	LocksReleased int
+	// ConnectionsClosed is the number of database connections the shutdown closed.
+	ConnectionsClosed int
+	// Subscriptions is the number of subscriptions the shutdown stopped.
+	Subscriptions int
+	// ClaimsReleased is the number of claims not yet handed to a handler that were given back.
+	ClaimsReleased int
+	// DeliveriesInWork is the number of messages handed to handlers and not yet settled.
+	DeliveriesInWork int
+	// LeasesLeft is the number of lease-mode deliveries in work whose leases were left to run
+	// out: settled before then, the settlement applies; otherwise the message returns (S4).
+	LeasesLeft int
+	// Duration is how long the shutdown took.
+	Duration time.Duration
+}
+
+// Shutdown stops the subscriber, bounded by ctx like http.Server.Shutdown: it returns ctx's
+// error when ctx ends first, and the report of what it had done by then.
+//
+// The order, each step finishing before the next starts:
+//  1. No new Subscribe: it returns ErrClosed from now on.
+//  2. Every subscription stops claiming; claims not yet handed to a handler are given back at
+//     once, and the output channels are closed (M5).
+//  3. Lease extension stops (S2); the contexts of messages still in work are cancelled with
+//     ErrClosed as their cause.
+//  4. Lease mode: deliveries still in work keep their leases, which run out unless the
+//     delivery settles first (S4).
+//
+// Shutdown is idempotent: later and concurrent calls wait for the first one and return its
+// report and error.
+func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		select {
+		case <-s.done:
+			return s.report, s.err
+		case <-ctx.Done():
+			return CloseReport{}, ctx.Err()
+		}
+	}
+	// 1. Refuse new subscriptions.
+	s.closed = true
+	subs := make([]*subscription, 0, len(s.subs))
+	for sub := range s.subs {
+		subs = append(subs, sub)
+	}
+	s.mu.Unlock()
+	start := time.Now()
+	close(s.shutdown)
+
+	var rep CloseReport
+	var err error
+	rep.Subscriptions = len(subs)
+
+	// 2. Stop claiming, give back what was not handed out, close the channels.
+	for _, sub := range subs {
+		sub.cancel(ErrClosed)
+	}
+	for _, sub := range subs {
+		select {
+		case <-sub.claimDone:
+			rep.ClaimsReleased += int(sub.releasedAtStop.Load())
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+	}
+
+	// 3. Stop extending leases; end the contexts of messages in work.
+	for _, sub := range subs {
+		close(sub.stopExt)
+		sub.mu.Lock()
+		for _, d := range sub.inWork {
+			rep.DeliveriesInWork++
+			d.cancel(ErrClosed)
+		}
+		sub.mu.Unlock()
+	}
+
+	// 4. Lease mode: deliveries in work keep their leases.
+	if s.config.ClaimMode == ClaimLease {
+		rep.LeasesLeft = rep.DeliveriesInWork
+	}
+
+	rep.Duration = time.Since(start)
+	s.mu.Lock()
+	s.report, s.err = rep, err
+	s.mu.Unlock()
+	close(s.done)
+	if err == nil {
+		s.logger.Info("Subscriber shut down", watermill.LogFields{
+			"subscriptions": rep.Subscriptions, "claims_released": rep.ClaimsReleased,
+			"deliveries_in_work": rep.DeliveriesInWork, "duration": rep.Duration,
+		})
+	}
+	return rep, err
+}

@@ -1,0 +1,224 @@
+package sqlbroker
+
+import (
+	"time"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
+)
+
+// ClaimMode says how a subscriber holds a message while a handler works on it.
+type ClaimMode int
+
+const (
+	// ClaimLease marks a claimed message with a lease deadline and a fencing token, and
+	// extends the lease while the handler runs. A consumer that dies leaves leases that run
+	// out; the messages then return to the queue. No connection is held while handlers run.
+	ClaimLease ClaimMode = iota
+	// ClaimAdvisoryLock holds a claimed message with a PostgreSQL session advisory lock on a
+	// connection the subscriber keeps for that purpose. A consumer that dies drops its
+	// connection, PostgreSQL frees its locks at once, and the messages are claimed again
+	// without waiting for a timeout. It needs session connections: not through a
+	// transaction-mode pooler such as PgBouncer.
+	ClaimAdvisoryLock
+)
+
+func (m ClaimMode) String() string {
+	switch m {
+	case ClaimLease:
+		return "lease"
+	case ClaimAdvisoryLock:
+		return "advisory_lock"
+	default:
+		return "unknown"
+	}
+}
+
+// Defaults of the configuration fields.
+const (
+	DefaultTablePrefix        = "sqlbroker_"
+	DefaultConsumerGroup      = "default"
+	DefaultMaxInFlight        = 64
+	DefaultBatchSize          = 100
+	DefaultPollInterval       = 100 * time.Millisecond
+	DefaultLeaseTTL           = 30 * time.Second
+	DefaultRetryInterval      = time.Second
+	DefaultCloseTimeout       = 30 * time.Second
+	DefaultMaxPayloadBytes    = 64 << 20
+	maxTablePrefixLength      = 24
+	maxSchemaNameLength       = ident.MaxIdentifierLength
+	minLeaseTTL               = 100 * time.Millisecond
+	defaultLeaseRenewFraction = 3
+)
+
+// PublisherConfig configures a Publisher.
+type PublisherConfig struct {
+	// InitializeSchema creates a topic's tables on its first Publish. Defaults to false.
+	InitializeSchema bool
+
+	// Schema is the PostgreSQL schema of the tables. Defaults to "" (the search_path).
+	Schema string
+
+	// TablePrefix starts every table name. Defaults to DefaultTablePrefix.
+	TablePrefix string
+
+	// MaxPayloadBytes refuses messages with a larger payload. Defaults to DefaultMaxPayloadBytes.
+	MaxPayloadBytes int
+}
+
+func (c *PublisherConfig) setDefaults() {
+	if c.TablePrefix == "" {
+		c.TablePrefix = DefaultTablePrefix
+	}
+	if c.MaxPayloadBytes == 0 {
+		c.MaxPayloadBytes = DefaultMaxPayloadBytes
+	}
+}
+
+func (c *PublisherConfig) validate() error {
+	if err := ident.ValidateIdentifier("Schema", c.Schema, maxSchemaNameLength, true); err != nil {
+		return err
+	}
+	if err := ident.ValidateIdentifier("TablePrefix", c.TablePrefix, maxTablePrefixLength, false); err != nil {
+		return err
+	}
+	if c.MaxPayloadBytes < 0 {
+		return &ConfigError{Field: "MaxPayloadBytes", Value: c.MaxPayloadBytes, Reason: "must not be negative"}
+	}
+	return nil
+}
+
+// SubscriberConfig configures a Subscriber.
+type SubscriberConfig struct {
+	// ConsumerGroup names the group this subscriber consumes for. Every group receives every
+	// message of a topic; within a group each message is worked by one consumer at a time.
+	// Defaults to DefaultConsumerGroup.
+	ConsumerGroup string
+
+	// ClaimMode says how a claimed message is held while its handler runs. Defaults to
+	// ClaimLease.
+	ClaimMode ClaimMode
+
+	// InitializeSchema creates a topic's tables on Subscribe. Without it, Subscribe checks
+	// that they exist and fails with a MissingTableError naming the table. Defaults to false.
+	InitializeSchema bool
+
+	// Schema is the PostgreSQL schema of the tables. Defaults to "" (the search_path).
+	Schema string
+
+	// TablePrefix starts every table name. Defaults to DefaultTablePrefix.
+	TablePrefix string
+
+	// StartAtNewest makes a consumer group that does not exist yet start after the messages
+	// already committed, instead of at the oldest message kept. Defaults to false.
+	StartAtNewest bool
+
+	// MaxInFlight bounds the messages one subscription holds claimed at once: handed to
+	// handlers and not yet settled, or claimed and waiting to be handed. With 1, and one
+	// subscriber in the group, messages arrive in the commit order of their publishers.
+	// Defaults to DefaultMaxInFlight.
+	MaxInFlight int
+
+	// BatchSize bounds the messages claimed in one round trip. Defaults to DefaultBatchSize,
+	// and never more than MaxInFlight.
+	BatchSize int
+
+	// PollInterval is how long a subscription waits before it looks for messages again after
+	// finding none. Defaults to DefaultPollInterval.
+	PollInterval time.Duration
+
+	// LeaseTTL is how long a claim stays with this subscriber without being extended (lease
+	// mode). A consumer that dies leaves its messages for this long. Defaults to
+	// DefaultLeaseTTL.
+	LeaseTTL time.Duration
+
+	// LeaseRenewInterval is how often the leases of messages in work are extended. Defaults
+	// to LeaseTTL/3.
+	LeaseRenewInterval time.Duration
+
+	// NackBackoff is how long a nacked message waits before it can be claimed again. Defaults
+	// to 0: at once.
+	NackBackoff time.Duration
+
+	// RetryInterval is how long a subscription waits after a database error before it tries
+	// again. Defaults to DefaultRetryInterval.
+	RetryInterval time.Duration
+
+	// CloseTimeout bounds Close, which runs Shutdown with it. Defaults to DefaultCloseTimeout.
+	CloseTimeout time.Duration
+}
+
+func (c *SubscriberConfig) setDefaults() {
+	if c.ConsumerGroup == "" {
+		c.ConsumerGroup = DefaultConsumerGroup
+	}
+	if c.TablePrefix == "" {
+		c.TablePrefix = DefaultTablePrefix
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = DefaultMaxInFlight
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
+	if c.BatchSize > c.MaxInFlight && c.MaxInFlight > 0 {
+		c.BatchSize = c.MaxInFlight
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = DefaultPollInterval
+	}
+	if c.LeaseTTL == 0 {
+		c.LeaseTTL = DefaultLeaseTTL
+	}
+	if c.LeaseRenewInterval == 0 {
+		c.LeaseRenewInterval = c.LeaseTTL / defaultLeaseRenewFraction
+	}
+	if c.RetryInterval == 0 {
+		c.RetryInterval = DefaultRetryInterval
+	}
+	if c.CloseTimeout == 0 {
+		c.CloseTimeout = DefaultCloseTimeout
+	}
+}
+
+func (c *SubscriberConfig) validate() error {
+	if err := ident.ValidateName("ConsumerGroup", c.ConsumerGroup); err != nil {
+		return err
+	}
+	if c.ClaimMode != ClaimLease && c.ClaimMode != ClaimAdvisoryLock {
+		return &ConfigError{Field: "ClaimMode", Value: int(c.ClaimMode), Reason: "must be ClaimLease or ClaimAdvisoryLock"}
+	}
+	if err := ident.ValidateIdentifier("Schema", c.Schema, maxSchemaNameLength, true); err != nil {
+		return err
+	}
+	if err := ident.ValidateIdentifier("TablePrefix", c.TablePrefix, maxTablePrefixLength, false); err != nil {
+		return err
+	}
+	positive := []struct {
+		name string
+		v    int
+	}{{"MaxInFlight", c.MaxInFlight}, {"BatchSize", c.BatchSize}}
+	for _, p := range positive {
+		if p.v < 0 {
+			return &ConfigError{Field: p.name, Value: p.v, Reason: "must not be negative"}
+		}
+	}
+	durations := []struct {
+		name string
+		v    time.Duration
+	}{
+		{"PollInterval", c.PollInterval}, {"LeaseTTL", c.LeaseTTL}, {"LeaseRenewInterval", c.LeaseRenewInterval},
+		{"NackBackoff", c.NackBackoff}, {"RetryInterval", c.RetryInterval}, {"CloseTimeout", c.CloseTimeout},
+	}
+	for _, d := range durations {
+		if d.v < 0 {
+			return &ConfigError{Field: d.name, Value: d.v, Reason: "must not be negative"}
+		}
+	}
+	if c.LeaseTTL < minLeaseTTL {
+		return &ConfigError{Field: "LeaseTTL", Value: c.LeaseTTL, Reason: "must be at least " + minLeaseTTL.String()}
+	}
+	if c.LeaseRenewInterval >= c.LeaseTTL {
+		return &ConfigError{Field: "LeaseRenewInterval", Value: c.LeaseRenewInterval, Reason: "must be shorter than LeaseTTL (" + c.LeaseTTL.String() + ")"}
+	}
+	return nil
+}

@@ -1,0 +1,106 @@
+// Package dbx is the one seam between the library and the two PostgreSQL drivers it supports:
+// pgx/v5 (a *pgxpool.Pool) and database/sql (lib/pq, or pgx's stdlib). Everything above this
+// package speaks only these interfaces; every driver-specific detail (argument conversion,
+// cancellation, connection identity) stays in the two adapter files.
+package dbx
+
+import (
+	"context"
+	"errors"
+)
+
+// Querier runs statements. SQL text uses $n placeholders, which both drivers accept.
+type Querier interface {
+	// Exec runs a statement and returns the number of rows it affected.
+	Exec(ctx context.Context, sql string, args ...any) (int64, error)
+	// Query runs a statement that returns rows. The caller must Close the rows.
+	Query(ctx context.Context, sql string, args ...any) (Rows, error)
+}
+
+// Rows is the result of Query.
+type Rows interface {
+	Next() bool
+	Scan(dest ...any) error
+	Err() error
+	Close()
+}
+
+// Tx is a transaction.
+type Tx interface {
+	Querier
+	Commit(ctx context.Context) error
+	Rollback(ctx context.Context) error
+}
+
+// Beginner starts transactions.
+type Beginner interface {
+	Begin(ctx context.Context) (Tx, error)
+}
+
+// Conn is one connection taken out of a pool for the caller's exclusive use.
+type Conn interface {
+	Querier
+	Beginner
+	// PID is the server process id of the connection's backend.
+	PID(ctx context.Context) (uint32, error)
+	// Release hands a healthy connection back to its pool.
+	Release()
+	// Destroy closes the connection instead of handing it back, so that no session state
+	// (an advisory lock, a LISTEN) can ever reach another borrower.
+	Destroy()
+}
+
+// Pool is a connection pool: the caller's, or one the library built.
+type Pool interface {
+	Querier
+	Beginner
+	// Acquire takes a connection for exclusive use.
+	Acquire(ctx context.Context) (Conn, error)
+	// Dedicated opens a connection outside the pool's accounting for a long-lived purpose
+	// (advisory locks, LISTEN). Closing it never returns it to the pool.
+	Dedicated(ctx context.Context) (Conn, error)
+	// Close closes the pool. Only a pool the library built is ever closed by the library.
+	Close()
+	// Driver names the driver: "pgx" or "database/sql".
+	Driver() string
+}
+
+// ErrNoRows is returned by QueryRow-style helpers when the statement returned no row.
+var ErrNoRows = errors.New("dbx: no rows in result set")
+
+// QueryRow runs a statement expected to return one row and scans it into dest.
+func QueryRow(ctx context.Context, q Querier, sql string, args []any, dest ...any) error {
+	rows, err := q.Query(ctx, sql, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	if !rows.Next() {
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		return ErrNoRows
+	}
+	if err := rows.Scan(dest...); err != nil {
+		return err
+	}
+	rows.Close()
+	return rows.Err()
+}
+
+// InTx runs fn in a transaction on b, committing when fn returns nil and rolling back otherwise.
+// The rollback runs without the caller's cancellation, bounded by a short timeout, so that a
+// cancelled context never leaves a transaction open on the server.
+func InTx(ctx context.Context, b Beginner, fn func(Tx) error) error {
+	tx, err := b.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	if err := fn(tx); err != nil {
+		rctx, cancel := CleanupContext(ctx)
+		defer cancel()
+		_ = tx.Rollback(rctx)
+		return err
+	}
+	return tx.Commit(ctx)
+}

@@ -1,0 +1,127 @@
+package dbx
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// pgxQuerier is what pgxpool.Pool, pgxpool.Conn, pgx.Conn and pgx.Tx have in common.
+type pgxQuerier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+type pgxQ struct{ q pgxQuerier }
+
+func (p pgxQ) Exec(ctx context.Context, sql string, args ...any) (int64, error) {
+	tag, err := p.q.Exec(ctx, sql, args...)
+	if err != nil {
+		return 0, err
+	}
+	return tag.RowsAffected(), nil
+}
+
+func (p pgxQ) Query(ctx context.Context, sql string, args ...any) (Rows, error) {
+	rows, err := p.q.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, err
+	}
+	return rows, nil
+}
+
+type pgxTx struct {
+	pgxQ
+	tx pgx.Tx
+}
+
+func (t pgxTx) Commit(ctx context.Context) error   { return t.tx.Commit(ctx) }
+func (t pgxTx) Rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }
+
+// PgxTx wraps a caller's pgx transaction.
+func PgxTx(tx pgx.Tx) Querier { return pgxQ{tx} }
+
+// PgxPool wraps a pgx pool.
+type PgxPool struct {
+	pgxQ
+	Pool *pgxpool.Pool
+}
+
+// NewPgxPool wraps p.
+func NewPgxPool(p *pgxpool.Pool) *PgxPool { return &PgxPool{pgxQ: pgxQ{p}, Pool: p} }
+
+func (p *PgxPool) Driver() string { return "pgx" }
+
+func (p *PgxPool) Begin(ctx context.Context) (Tx, error) {
+	tx, err := p.Pool.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return pgxTx{pgxQ{tx}, tx}, nil
+}
+
+func (p *PgxPool) Acquire(ctx context.Context) (Conn, error) {
+	c, err := p.Pool.Acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &pgxPoolConn{pgxQ: pgxQ{c}, c: c}, nil
+}
+
+func (p *PgxPool) Dedicated(ctx context.Context) (Conn, error) {
+	c, err := pgx.ConnectConfig(ctx, p.Pool.Config().ConnConfig.Copy())
+	if err != nil {
+		return nil, err
+	}
+	return &pgxConn{pgxQ: pgxQ{c}, c: c}, nil
+}
+
+func (p *PgxPool) Close() { p.Pool.Close() }
+
+type pgxPoolConn struct {
+	pgxQ
+	c *pgxpool.Conn
+}
+
+func (c *pgxPoolConn) Begin(ctx context.Context) (Tx, error) {
+	tx, err := c.c.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return pgxTx{pgxQ{tx}, tx}, nil
+}
+
+func (c *pgxPoolConn) PID(context.Context) (uint32, error) { return c.c.Conn().PgConn().PID(), nil }
+func (c *pgxPoolConn) Release()                            { c.c.Release() }
+
+func (c *pgxPoolConn) Destroy() {
+	// Hijack takes the connection out of the pool's accounting; closing it then really closes it.
+	conn := c.c.Hijack()
+	ctx, cancel := CleanupContext(context.Background())
+	defer cancel()
+	_ = conn.Close(ctx)
+}
+
+type pgxConn struct {
+	pgxQ
+	c *pgx.Conn
+}
+
+func (c *pgxConn) Begin(ctx context.Context) (Tx, error) {
+	tx, err := c.c.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return pgxTx{pgxQ{tx}, tx}, nil
+}
+
+func (c *pgxConn) PID(context.Context) (uint32, error) { return c.c.PgConn().PID(), nil }
+func (c *pgxConn) Release()                            { c.Destroy() }
+
+func (c *pgxConn) Destroy() {
+	ctx, cancel := CleanupContext(context.Background())
+	defer cancel()
+	_ = c.c.Close(ctx)
+}

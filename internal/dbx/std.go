@@ -1,0 +1,138 @@
+package dbx
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+
+	"github.com/lib/pq"
+)
+
+// stdQuerier is what *sql.DB, *sql.Conn and *sql.Tx have in common.
+type stdQuerier interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}
+
+type stdQ struct{ q stdQuerier }
+
+// stdArgs converts the slice arguments the library passes into values database/sql drivers
+// accept: pgx takes Go slices for array parameters, lib/pq needs its array wrappers.
+func stdArgs(args []any) []any {
+	for i, a := range args {
+		switch v := a.(type) {
+		case []int64:
+			args[i] = pq.Array(v)
+		case []string:
+			args[i] = pq.Array(v)
+		case [][]byte:
+			args[i] = pq.ByteaArray(v)
+		}
+	}
+	return args
+}
+
+func (s stdQ) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	res, err := s.q.ExecContext(ctx, query, stdArgs(args)...)
+	if err != nil {
+		return 0, err
+	}
+	return res.RowsAffected()
+}
+
+func (s stdQ) Query(ctx context.Context, query string, args ...any) (Rows, error) {
+	rows, err := s.q.QueryContext(ctx, query, stdArgs(args)...)
+	if err != nil {
+		return nil, err
+	}
+	return stdRows{rows}, nil
+}
+
+type stdRows struct{ r *sql.Rows }
+
+func (r stdRows) Next() bool             { return r.r.Next() }
+func (r stdRows) Scan(dest ...any) error { return r.r.Scan(dest...) }
+func (r stdRows) Err() error             { return r.r.Err() }
+func (r stdRows) Close()                 { _ = r.r.Close() }
+
+type stdTx struct {
+	stdQ
+	tx *sql.Tx
+}
+
+func (t stdTx) Commit(context.Context) error   { return t.tx.Commit() }
+func (t stdTx) Rollback(context.Context) error { return t.tx.Rollback() }
+
+// StdTx wraps a caller's database/sql transaction.
+func StdTx(tx *sql.Tx) Querier { return stdQ{tx} }
+
+// StdPool wraps a *sql.DB.
+type StdPool struct {
+	stdQ
+	DB *sql.DB
+}
+
+// NewStdPool wraps db.
+func NewStdPool(db *sql.DB) *StdPool { return &StdPool{stdQ: stdQ{db}, DB: db} }
+
+func (p *StdPool) Driver() string { return "database/sql" }
+
+func (p *StdPool) Begin(ctx context.Context) (Tx, error) {
+	tx, err := p.DB.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	return stdTx{stdQ{tx}, tx}, nil
+}
+
+func (p *StdPool) Acquire(ctx context.Context) (Conn, error) {
+	c, err := p.DB.Conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &stdConn{stdQ: stdQ{c}, c: c}, nil
+}
+
+// Dedicated takes a connection from the *sql.DB: database/sql has no way to open one outside
+// its pool, so the connection counts against SetMaxOpenConns until it is destroyed.
+func (p *StdPool) Dedicated(ctx context.Context) (Conn, error) { return p.Acquire(ctx) }
+
+func (p *StdPool) Close() { _ = p.DB.Close() }
+
+type stdConn struct {
+	stdQ
+	c   *sql.Conn
+	pid uint32
+}
+
+func (c *stdConn) Begin(ctx context.Context) (Tx, error) {
+	tx, err := c.c.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	return stdTx{stdQ{tx}, tx}, nil
+}
+
+func (c *stdConn) PID(ctx context.Context) (uint32, error) {
+	if c.pid != 0 {
+		return c.pid, nil
+	}
+	var pid int64
+	if err := QueryRow(ctx, c, "SELECT pg_backend_pid()", nil, &pid); err != nil {
+		return 0, err
+	}
+	c.pid = uint32(pid)
+	return c.pid, nil
+}
+
+func (c *stdConn) Release() { _ = c.c.Close() }
+
+// Destroy marks the driver connection bad so that database/sql closes it instead of pooling it.
+func (c *stdConn) Destroy() {
+	_ = c.c.Raw(func(any) error { return driver.ErrBadConn })
+	_ = c.c.Close()
+}
+
+// IsBadConn reports whether err says that the connection is gone.
+func IsBadConn(err error) bool { return errors.Is(err, driver.ErrBadConn) }

@@ -1,0 +1,53 @@
+package ident
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestValidateName_M6(t *testing.T) {
+	good := []string{"a", "orders", "topic_5f1c-9a.v1", "events:OrderPlaced", "a/b", strings.Repeat("x", MaxNameLength)}
+	for _, n := range good {
+		if err := ValidateName("topic", n); err != nil {
+			t.Errorf("ValidateName(%q) = %v, want nil", n, err)
+		}
+	}
+	bad := []string{"", " ", "a b", `x"; DROP TABLE t; --`, "ü", "a\x00b", "tab\t", strings.Repeat("x", MaxNameLength+1), "\xff"}
+	for _, n := range bad {
+		err := ValidateName("topic", n)
+		if err == nil {
+			t.Errorf("ValidateName(%q) = nil, want an error", n)
+			continue
+		}
+		if !strings.Contains(err.Error(), "topic") {
+			t.Errorf("error %q does not name the field", err)
+		}
+	}
+}
+
+func TestTableName_M6(t *testing.T) {
+	short := TableName("sqlbroker_", "orders", "_messages")
+	if short != "sqlbroker_orders_messages" {
+		t.Fatalf("got %q", short)
+	}
+	long1 := TableName("sqlbroker_", strings.Repeat("a", 200)+"1", "_messages")
+	long2 := TableName("sqlbroker_", strings.Repeat("a", 200)+"2", "_messages")
+	if len(long1) > MaxIdentifierLength || len(long2) > MaxIdentifierLength {
+		t.Fatalf("too long: %d %d", len(long1), len(long2))
+	}
+	if long1 == long2 {
+		t.Fatalf("two topics share the table %q", long1)
+	}
+	if !strings.HasSuffix(long1, "_messages") {
+		t.Fatalf("suffix lost: %q", long1)
+	}
+}
+
+func TestQuote(t *testing.T) {
+	if got := Quote(`a"b`); got != `"a""b"` {
+		t.Fatalf("got %s", got)
+	}
+	if got := Qualified("s", "t"); got != `"s"."t"` {
+		t.Fatalf("got %s", got)
+	}
+}

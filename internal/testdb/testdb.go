@@ -1,0 +1,120 @@
+// Package testdb connects tests to the real PostgreSQL they run against.
+package testdb
+
+import (
+	"context"
+	"database/sql"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/lib/pq" // the database/sql driver under test
+	"go.uber.org/goleak"
+)
+
+// DefaultURL is the test database when SQLBROKER_TEST_POSTGRES_URL is not set.
+const DefaultURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+// URL is the test database's URL.
+func URL() string {
+	if u := os.Getenv("SQLBROKER_TEST_POSTGRES_URL"); u != "" {
+		return u
+	}
+	return DefaultURL
+}
+
+var (
+	pgxOnce sync.Once
+	pgxPool *pgxpool.Pool
+	pgxErr  error
+	stdOnce sync.Once
+	stdDB   *sql.DB
+	stdErr  error
+)
+
+// Pgx returns a pgx pool shared by the tests of a package (closed by the process's end).
+func Pgx(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	pgxOnce.Do(func() {
+		cfg, err := pgxpool.ParseConfig(URL())
+		if err != nil {
+			pgxErr = err
+			return
+		}
+		cfg.MaxConns = 30
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		pgxPool, pgxErr = pgxpool.NewWithConfig(ctx, cfg)
+		if pgxErr == nil {
+			pgxErr = pgxPool.Ping(ctx)
+		}
+	})
+	if pgxErr != nil {
+		t.Fatalf("test database %s: %v (start it, or set SQLBROKER_TEST_POSTGRES_URL)", URL(), pgxErr)
+	}
+	return pgxPool
+}
+
+// Std returns a lib/pq pool shared by the tests of a package.
+func Std(t testing.TB) *sql.DB {
+	t.Helper()
+	stdOnce.Do(func() {
+		stdDB, stdErr = sql.Open("postgres", URL())
+		if stdErr != nil {
+			return
+		}
+		stdDB.SetMaxOpenConns(30)
+		stdDB.SetMaxIdleConns(30)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		stdErr = stdDB.PingContext(ctx)
+	})
+	if stdErr != nil {
+		t.Fatalf("test database %s: %v (start it, or set SQLBROKER_TEST_POSTGRES_URL)", URL(), stdErr)
+	}
+	return stdDB
+}
+
+// Close closes the shared pools; TestMain calls it before checking for leaked goroutines.
+func Close() {
+	if pgxPool != nil {
+		pgxPool.Close()
+	}
+	if stdDB != nil {
+		_ = stdDB.Close()
+	}
+}
+
+// Eventually polls cond every 10ms until it holds or timeout passes.
+func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// LeakCheck reports goroutines still running after the tests, waiting up to 20s for those
+// that end by themselves (a lease-mode delivery left in work at shutdown waits, at most its
+// LeaseTTL, for a late settlement). Goroutines that Watermill's universal suite itself leaves
+// behind (its fan-in of many subscribers blocks on a channel nobody reads once a test ends;
+// TestReconnect leaves its collector) are not the library's and are ignored.
+func LeakCheck() error {
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		err := goleak.Find(
+			goleak.IgnoreAnyFunction("github.com/ThreeDotsLabs/watermill/internal/subscriber.(*multiplier).Subscribe.func2"),
+			goleak.IgnoreAnyFunction("github.com/ThreeDotsLabs/watermill/internal/subscriber.(*multiplier).Subscribe.func3"),
+			goleak.IgnoreAnyFunction("github.com/ThreeDotsLabs/watermill/pubsub/tests.TestReconnect.func2"),
+		)
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}

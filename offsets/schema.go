@@ -1,0 +1,99 @@
+package offsets
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"strconv"
+	"strings"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+)
+
+// MissingTableError says that a table of the topic does not exist.
+type MissingTableError struct {
+	Topic string
+	Table string
+}
+
+func (e *MissingTableError) Error() string {
+	return fmt.Sprintf("topic %q: table %s does not exist: set InitializeSchema: true, or create it with the SQL of sqlbroker.SchemaSQL(%q, ...) in a migration", e.Topic, e.Table, e.Topic)
+}
+
+// VersionError says that the tables were created by another version of the schema.
+type VersionError struct {
+	Topic string
+	Table string
+	Found string
+	Want  int
+}
+
+func (e *VersionError) Error() string {
+	return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: migrate the tables or use the matching library version", e.Topic, e.Table, e.Found, e.Want)
+}
+
+// lockKey2 is the second half of the schema lock key for the tables.
+func (t Tables) lockKey2() int32 {
+	h := fnv.New32a()
+	h.Write([]byte(t.Messages))
+	return int32(h.Sum32())
+}
+
+// Create runs SchemaSQL in one transaction, under the library's schema advisory lock, so that
+// concurrent creators of one topic do not race on the catalog.
+func (t Tables) Create(ctx context.Context, b dbx.Beginner) error {
+	return dbx.InTx(ctx, b, func(tx dbx.Tx) error { return t.CreateIn(ctx, tx) })
+}
+
+// CreateIn runs SchemaSQL inside a transaction the caller holds, under the same lock.
+func (t Tables) CreateIn(ctx context.Context, tx dbx.Querier) error {
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1::int4, $2::int4)", SchemaLockKey1, t.lockKey2()); err != nil {
+		return err
+	}
+	if err := t.check(ctx, tx, true); err != nil {
+		return err
+	}
+	_, err := tx.Exec(ctx, t.SchemaSQL())
+	return err
+}
+
+// Check verifies that the three tables exist and carry this schema version (M7).
+func (t Tables) Check(ctx context.Context, q dbx.Querier) error {
+	return t.check(ctx, q, false)
+}
+
+// check verifies the tables; with missingOK only the version of existing tables is checked.
+func (t Tables) check(ctx context.Context, q dbx.Querier, missingOK bool) error {
+	var m, g, c bool
+	var comment string
+	err := dbx.QueryRow(ctx, q, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL,
+	coalesce(obj_description(to_regclass($1), 'pg_class'), '')`,
+		[]any{t.Messages, t.Groups, t.Claims}, &m, &g, &c, &comment)
+	if err != nil {
+		return err
+	}
+	if !missingOK {
+		for _, x := range []struct {
+			ok   bool
+			name string
+		}{{m, t.Messages}, {g, t.Groups}, {c, t.Claims}} {
+			if !x.ok {
+				return &MissingTableError{Topic: t.Topic, Table: x.name}
+			}
+		}
+	}
+	if m {
+		v, ok := strings.CutPrefix(comment, schemaCommentPrefix)
+		if n, err := strconv.Atoi(v); !ok || err != nil || n != SchemaVersion {
+			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: comment, Want: SchemaVersion}
+		}
+	}
+	return nil
+}
+
+// IsMissing reports whether err is a MissingTableError.
+func IsMissing(err error) bool {
+	var m *MissingTableError
+	return errors.As(err, &m)
+}

@@ -1,0 +1,301 @@
+package offsets
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+)
+
+// SchemaLockKey1 is the first half of the two-int4 advisory lock key under which schema
+// creation is serialised; the second half is derived from the messages table name. Message
+// locks of the advisory claim mode use other first halves (see package advisory).
+const SchemaLockKey1 int32 = 0x53427363 // "SBsc"
+
+// Store runs the statements of one topic.
+type Store struct {
+	T Tables
+
+	claimSQL     string
+	ackSQL       string
+	nackSQL      string
+	releaseSQL   string
+	extendSQL    string
+	insertPrefix string
+	ensureGrpSQL string
+	lookupGrpSQL string
+	horizonSQL   string
+}
+
+// NewStore prepares the SQL text for t.
+func NewStore(t Tables) *Store {
+	s := &Store{T: t}
+
+	// One round trip claims up to $4 messages for group $1 under token $2 with a lease of $3 ms:
+	//  - due: claims of the group that are due again (their lease ran out, or they were nacked
+	//    or released and their backoff passed), taken with a new token, so the old holder's
+	//    token no longer matches (L3); SKIP LOCKED leaves those another claimer is taking;
+	//  - if that left room: lock the group row (serialises the group's claimers for a few
+	//    milliseconds), read the next messages after its position that were written by
+	//    transactions older than every running one (M2), claim them and advance the position.
+	// Redeliveries come first, then new messages in (xid, offset) order.
+	s.claimSQL = fmt.Sprintf(`WITH due AS (
+	SELECT "offset" FROM %[3]s
+	WHERE "group_id" = $1 AND "visible_at" <= now()
+	ORDER BY "offset" LIMIT $4
+	FOR UPDATE SKIP LOCKED
+), r AS (
+	UPDATE %[3]s c SET "token" = $2, "visible_at" = now() + $3::float8 * interval '1 millisecond', "attempts" = c."attempts" + 1
+	FROM due WHERE c."group_id" = $1 AND c."offset" = due."offset"
+	RETURNING c."offset", c."attempts"
+), g AS (
+	SELECT "last_xid", "last_offset" FROM %[1]s
+	WHERE "group_id" = $1 AND (SELECT count(*) FROM due) < $4
+	FOR UPDATE
+), m AS (
+	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata"
+	FROM %[2]s m, g
+	WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
+	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
+	ORDER BY m."xid", m."offset"
+	LIMIT $4 - (SELECT count(*) FROM due)
+), ins AS (
+	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
+	SELECT $1, m."offset", $2, now() + $3::float8 * interval '1 millisecond', 1 FROM m
+), upd AS (
+	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
+	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
+	WHERE "group_id" = $1
+)
+SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM (
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o
+	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
+	UNION ALL
+	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
+	FROM m
+) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims)
+
+	// Settlements are fenced by the token and take many claims at once.
+	s.ackSQL = fmt.Sprintf(`DELETE FROM %s c
+USING unnest($2::bigint[], $3::bigint[]) AS a("offset", "token")
+WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
+RETURNING c."offset"`, t.Claims)
+
+	s.nackSQL = fmt.Sprintf(`UPDATE %s c SET "token" = 0, "visible_at" = now() + $4::float8 * interval '1 millisecond'
+FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token")
+WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
+RETURNING c."offset"`, t.Claims)
+
+	// Release gives back claims that never reached a handler: visible at once, and the attempt
+	// they were counted as is taken back.
+	s.releaseSQL = fmt.Sprintf(`UPDATE %s c SET "token" = 0, "visible_at" = now(), "attempts" = greatest(c."attempts" - 1, 0)
+FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token")
+WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
+RETURNING c."offset"`, t.Claims)
+
+	s.extendSQL = fmt.Sprintf(`UPDATE %s c SET "visible_at" = now() + $4::float8 * interval '1 millisecond'
+FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token")
+WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
+RETURNING c."offset"`, t.Claims)
+
+	s.insertPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata") VALUES `, t.Messages)
+
+	s.ensureGrpSQL = fmt.Sprintf(`INSERT INTO %s ("consumer_group", "last_xid", "last_offset")
+VALUES ($1, CASE WHEN $2::boolean THEN pg_snapshot_xmin(pg_current_snapshot()) ELSE '0'::xid8 END, 0)
+ON CONFLICT ("consumer_group") DO NOTHING
+RETURNING "group_id"`, t.Groups)
+	s.lookupGrpSQL = fmt.Sprintf(`SELECT "group_id" FROM %s WHERE "consumer_group" = $1`, t.Groups)
+
+	// Messages past the group's position that the xmin horizon still holds back (M2).
+	s.horizonSQL = fmt.Sprintf(`SELECT count(*) FROM (
+	SELECT 1 FROM %[2]s m, %[1]s g
+	WHERE g."group_id" = $1 AND (m."xid", m."offset") > (g."last_xid", g."last_offset")
+	  AND m."xid" >= pg_snapshot_xmin(pg_current_snapshot())
+	LIMIT 1000
+) x`, t.Groups, t.Messages)
+	return s
+}
+
+// Claimed is one message claimed for a group.
+type Claimed struct {
+	Offset   int64
+	UUID     string
+	Payload  []byte
+	Metadata string // JSON object
+	Attempts int
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// EnsureGroup creates the group's row if it is missing and returns its id. A new group starts
+// at the oldest message kept, or, with startAtNewest, after every message already committed.
+func (s *Store) EnsureGroup(ctx context.Context, q dbx.Querier, group string, startAtNewest bool) (int32, error) {
+	for range 3 {
+		var id int32
+		err := dbx.QueryRow(ctx, q, s.ensureGrpSQL, []any{group, startAtNewest}, &id)
+		if err == nil {
+			return id, nil
+		}
+		if !errors.Is(err, dbx.ErrNoRows) {
+			return 0, err
+		}
+		err = dbx.QueryRow(ctx, q, s.lookupGrpSQL, []any{group}, &id)
+		if err == nil {
+			return id, nil
+		}
+		if !errors.Is(err, dbx.ErrNoRows) {
+			return 0, err
+		}
+		// A concurrent insert committed after our snapshot was taken: look again.
+	}
+	return 0, fmt.Errorf("consumer group %q: its row could not be created or read", group)
+}
+
+func scanClaimed(rows dbx.Rows, out []Claimed) ([]Claimed, error) {
+	defer rows.Close()
+	for rows.Next() {
+		var c Claimed
+		var attempts int64
+		if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata, &attempts); err != nil {
+			return out, err
+		}
+		c.Attempts = int(attempts)
+		out = append(out, c)
+	}
+	return out, rows.Err()
+}
+
+// Claim claims up to limit messages for the group under token, with a lease of ttl: first
+// those due again, then new ones after the group's position, which it advances.
+func (s *Store) Claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, out []Claimed) ([]Claimed, error) {
+	rows, err := q.Query(ctx, s.claimSQL, groupID, token, ms(ttl), limit)
+	if err != nil {
+		return out, err
+	}
+	return scanClaimed(rows, out)
+}
+
+// Fenced is a claim identified by its offset and the token it was claimed under.
+type Fenced struct {
+	Offset int64
+	Token  int64
+}
+
+func split(fs []Fenced) ([]int64, []int64) {
+	offs := make([]int64, len(fs))
+	toks := make([]int64, len(fs))
+	for i, f := range fs {
+		offs[i], toks[i] = f.Offset, f.Token
+	}
+	return offs, toks
+}
+
+func applied(rows dbx.Rows, err error) (map[int64]bool, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	done := make(map[int64]bool)
+	for rows.Next() {
+		var off int64
+		if err := rows.Scan(&off); err != nil {
+			return done, err
+		}
+		done[off] = true
+	}
+	return done, rows.Err()
+}
+
+// Ack deletes the claims whose token still matches and returns the offsets it deleted; the
+// others were stale (L3).
+func (s *Store) Ack(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced) (map[int64]bool, error) {
+	offs, toks := split(fs)
+	return applied(q.Query(ctx, s.ackSQL, groupID, offs, toks))
+}
+
+// Nack makes the claims visible again after backoff; the attempt count stays.
+func (s *Store) Nack(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, backoff time.Duration) (map[int64]bool, error) {
+	offs, toks := split(fs)
+	return applied(q.Query(ctx, s.nackSQL, groupID, offs, toks, ms(backoff)))
+}
+
+// Release makes claims that never reached a handler visible again at once.
+func (s *Store) Release(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced) (map[int64]bool, error) {
+	offs, toks := split(fs)
+	return applied(q.Query(ctx, s.releaseSQL, groupID, offs, toks))
+}
+
+// Extend moves the lease deadline of the claims to now()+ttl and returns the offsets it
+// extended; a claim missing from the result has lost its lease (L4).
+func (s *Store) Extend(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, ttl time.Duration) (map[int64]bool, error) {
+	offs, toks := split(fs)
+	return applied(q.Query(ctx, s.extendSQL, groupID, offs, toks, ms(ttl)))
+}
+
+// HeldBack counts (up to 1000) messages after the group's position that are committed or in
+// progress but not yet below the xmin horizon: delivery waits for the oldest running
+// transaction of the cluster to end (M2).
+func (s *Store) HeldBack(ctx context.Context, q dbx.Querier, groupID int32) (int, error) {
+	var n int64
+	err := dbx.QueryRow(ctx, q, s.horizonSQL, []any{groupID}, &n)
+	return int(n), err
+}
+
+// Row is one message to insert.
+type Row struct {
+	UUID     string
+	Payload  []byte
+	Metadata string // JSON object
+}
+
+// maxRowsPerInsert keeps one INSERT under PostgreSQL's 65535 bind parameters.
+const maxRowsPerInsert = 10000
+
+// InsertSQL builds the multi-row INSERT for n rows.
+func (s *Store) InsertSQL(n int) string {
+	var b strings.Builder
+	b.Grow(len(s.insertPrefix) + n*24)
+	b.WriteString(s.insertPrefix)
+	for i := range n {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		p := i * 3
+		b.WriteString("($")
+		b.WriteString(strconv.Itoa(p + 1))
+		b.WriteString(",$")
+		b.WriteString(strconv.Itoa(p + 2))
+		b.WriteString(",$")
+		b.WriteString(strconv.Itoa(p + 3))
+		b.WriteString("::jsonb)")
+	}
+	return b.String()
+}
+
+// Insert writes rows in statements of at most maxRowsPerInsert rows each. Callers that need
+// all-or-none for more rows than that run it inside a transaction.
+func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row) error {
+	for len(rows) > 0 {
+		n := min(len(rows), maxRowsPerInsert)
+		args := make([]any, 0, n*3)
+		for _, r := range rows[:n] {
+			payload := r.Payload
+			if payload == nil {
+				payload = []byte{}
+			}
+			args = append(args, r.UUID, payload, r.Metadata)
+		}
+		if _, err := q.Exec(ctx, s.InsertSQL(n), args...); err != nil {
+			return err
+		}
+		rows = rows[n:]
+	}
+	return nil
+}
+
+// MaxRowsPerStatement says how many rows Insert writes in one statement.
+func MaxRowsPerStatement() int { return maxRowsPerInsert }

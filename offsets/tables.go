@@ -1,0 +1,111 @@
+// Package offsets holds the tables of a topic, their schema, and every statement that moves a
+// consumer group through them: the group's position, claims, leases and settlements. It is the
+// one place where the library's SQL text lives; the root package only calls it.
+//
+// A topic has three tables:
+//
+//   - messages: append-only; one row a published message, with the id of the transaction that
+//     wrote it (xid8). Read in (xid, offset) order and only below the oldest transaction still
+//     running (pg_snapshot_xmin), so a message committed late is never skipped.
+//   - groups: one row a consumer group, with the (xid, offset) position of the last message
+//     handed out.
+//   - claims: one small row a message of a group that was handed out and not yet settled, or
+//     that waits for redelivery: (group_id, offset) key, fencing token, visible_at (the lease
+//     deadline or the nack backoff), attempts. Ack deletes the row, so the table stays as small
+//     as the work in flight and its updates stay HOT (no indexed column changes).
+package offsets
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
+)
+
+// SchemaVersion is written into the messages table's comment and checked on start.
+const SchemaVersion = 1
+
+// schemaComment is the comment the messages table carries; the version is the last field.
+const schemaCommentPrefix = "sqlbroker schema v"
+
+// Tables are the quoted names of one topic's tables.
+type Tables struct {
+	Topic string
+
+	// Schema is the PostgreSQL schema ("" = search_path).
+	Schema string
+
+	prefix string
+
+	// Raw names, unquoted.
+	MessagesName, GroupsName, ClaimsName string
+
+	// Quoted, schema-qualified names for SQL text.
+	Messages, Groups, Claims string
+}
+
+// NewTables names the tables of topic. topic, schema and prefix must already be validated.
+func NewTables(schema, prefix, topic string) Tables {
+	t := Tables{
+		Topic:        topic,
+		Schema:       schema,
+		prefix:       prefix,
+		MessagesName: ident.TableName(prefix, topic, "_messages"),
+		GroupsName:   ident.TableName(prefix, topic, "_groups"),
+		ClaimsName:   ident.TableName(prefix, topic, "_claims"),
+	}
+	t.Messages = ident.Qualified(schema, t.MessagesName)
+	t.Groups = ident.Qualified(schema, t.GroupsName)
+	t.Claims = ident.Qualified(schema, t.ClaimsName)
+	return t
+}
+
+// obj names a dependent object (index, constraint, sequence) of the topic. Every one is named
+// explicitly: PostgreSQL's own names for them are cut at 63 bytes, and two topics whose names
+// share a long beginning would then race for the same name.
+func (t Tables) obj(suffix string) string {
+	return ident.Quote(ident.TableName(t.prefix, t.Topic, suffix))
+}
+
+// seq is like obj, schema-qualified, for sequences.
+func (t Tables) seq(suffix string) string {
+	return ident.Qualified(t.Schema, ident.TableName(t.prefix, t.Topic, suffix))
+}
+
+// SchemaSQL is the DDL for the topic's tables. It is idempotent (IF NOT EXISTS) and is what
+// InitializeSchema runs; migration tools can take it as it is.
+func (t Tables) SchemaSQL() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
+	"offset"     bigint      GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME %s),
+	"xid"        xid8        NOT NULL DEFAULT pg_current_xact_id(),
+	"uuid"       text        NOT NULL,
+	"payload"    bytea       NOT NULL,
+	"metadata"   jsonb       NOT NULL DEFAULT '{}',
+	"created_at" timestamptz NOT NULL DEFAULT now(),
+	CONSTRAINT %s PRIMARY KEY ("offset")
+);
+`, t.Messages, t.seq("_m_seq"), t.obj("_m_pkey"))
+	fmt.Fprintf(&b, "CREATE INDEX IF NOT EXISTS %s ON %s (\"xid\", \"offset\");\n", t.obj("_m_xid"), t.Messages)
+	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS '%s%d';\n", t.Messages, schemaCommentPrefix, SchemaVersion)
+	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
+	"group_id"       integer     GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME %s),
+	"consumer_group" text        NOT NULL,
+	"last_xid"       xid8        NOT NULL,
+	"last_offset"    bigint      NOT NULL,
+	"updated_at"     timestamptz NOT NULL DEFAULT now(),
+	CONSTRAINT %s PRIMARY KEY ("group_id"),
+	CONSTRAINT %s UNIQUE ("consumer_group")
+);
+`, t.Groups, t.seq("_g_seq"), t.obj("_g_pkey"), t.obj("_g_name"))
+	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
+	"group_id"   integer     NOT NULL,
+	"offset"     bigint      NOT NULL,
+	"token"      bigint      NOT NULL,
+	"visible_at" timestamptz NOT NULL,
+	"attempts"   integer     NOT NULL,
+	CONSTRAINT %s PRIMARY KEY ("group_id", "offset")
+) WITH (fillfactor = 70);
+`, t.Claims, t.obj("_c_pkey"))
+	return b.String()
+}

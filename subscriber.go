@@ -1,0 +1,668 @@
+package sqlbroker
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/wake"
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+)
+
+// Metadata keys the subscriber sets on every message it delivers.
+const (
+	// MetadataAttempt is the delivery attempt of the message within its consumer group:
+	// "1" the first time, and one more every time it is claimed again after a nack, a lost
+	// lease or a dead consumer (M4).
+	MetadataAttempt = "sqlbroker_attempt"
+	// MetadataOffset is the message's offset in its topic.
+	MetadataOffset = "sqlbroker_offset"
+)
+
+// Subscriber claims messages of a topic for a consumer group and hands them to Watermill. It
+// implements message.Subscriber and message.SubscribeInitializer.
+type Subscriber struct {
+	db     dbx.Pool
+	config SubscriberConfig
+	logger watermill.LoggerAdapter
+	topics *topics
+
+	mu       sync.Mutex
+	closed   bool
+	subs     map[*subscription]struct{}
+	shutdown chan struct{} // closed when Shutdown starts
+	done     chan struct{} // closed when Shutdown has finished
+	report   CloseReport
+	err      error
+
+	stats subscriberStats
+}
+
+var (
+	_ message.Subscriber           = (*Subscriber)(nil)
+	_ message.SubscribeInitializer = (*Subscriber)(nil)
+)
+
+// subscriberStats are the counters behind Stats.
+type subscriberStats struct {
+	claimed, acked, nacked, released, stale, leasesLost, errors atomic.Int64
+}
+
+// Stats are counters of a Subscriber since it was built.
+type Stats struct {
+	Claimed          int64 // messages claimed, first deliveries and redeliveries
+	Acked            int64 // acks applied
+	Nacked           int64 // nacks applied
+	Released         int64 // claims given back without reaching a handler
+	StaleSettlements int64 // acks and nacks refused because the claim was no longer held (L3)
+	LeasesLost       int64 // deliveries whose claim was lost while in work (L4)
+	Errors           int64 // database errors met by claim, extension and settlement
+	InFlight         int   // messages claimed and not yet settled, now
+}
+
+// NewSubscriber builds a Subscriber on db, which must wrap a pool (Pgx or StdSQL). A nil
+// logger logs nothing. Nothing is sent to the database until Subscribe.
+func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
+	if db.pool == nil {
+		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx or sqlbroker.StdSQL (a transaction can only publish)"}
+	}
+	config.setDefaults()
+	if err := config.validate(); err != nil {
+		return nil, err
+	}
+	if config.ClaimMode == ClaimAdvisoryLock {
+		return nil, &ConfigError{Field: "ClaimMode", Value: config.ClaimMode, Reason: "is not available yet"}
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	return &Subscriber{
+		db:       db.pool,
+		config:   config,
+		logger:   logger,
+		topics:   newTopics(config.Schema, config.TablePrefix),
+		subs:     map[*subscription]struct{}{},
+		shutdown: make(chan struct{}),
+		done:     make(chan struct{}),
+	}, nil
+}
+
+// Stats returns the subscriber's counters.
+func (s *Subscriber) Stats() Stats {
+	st := Stats{
+		Claimed:          s.stats.claimed.Load(),
+		Acked:            s.stats.acked.Load(),
+		Nacked:           s.stats.nacked.Load(),
+		Released:         s.stats.released.Load(),
+		StaleSettlements: s.stats.stale.Load(),
+		LeasesLost:       s.stats.leasesLost.Load(),
+		Errors:           s.stats.errors.Load(),
+	}
+	s.mu.Lock()
+	for sub := range s.subs {
+		st.InFlight += sub.inFlight()
+	}
+	s.mu.Unlock()
+	return st
+}
+
+// SubscribeInitialize creates the tables of topic (message.SubscribeInitializer).
+func (s *Subscriber) SubscribeInitialize(topic string) error {
+	tables, err := s.tablesOf(topic)
+	if err != nil {
+		return err
+	}
+	return tables.Create(context.Background(), s.db)
+}
+
+func (s *Subscriber) tablesOf(topic string) (offsets.Tables, error) {
+	if err := validateTopic(topic); err != nil {
+		return offsets.Tables{}, err
+	}
+	return offsets.NewTables(s.config.Schema, s.config.TablePrefix, topic), nil
+}
+
+// Subscribe starts claiming messages of topic for the consumer group and returns the channel
+// they arrive on. ctx bounds the subscription: cancelling it, or Close, stops claiming, gives
+// back at once every claim not yet handed to a handler, and closes the channel (M5). Messages
+// already handed out stay claimed until they are acked or nacked (their leases are extended
+// meanwhile) or until Shutdown.
+func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	s.mu.Lock()
+	closed := s.closed
+	s.mu.Unlock()
+	if closed {
+		return nil, ErrClosed
+	}
+	store, err := s.topics.store(ctx, s.db, s.db, topic, s.config.InitializeSchema)
+	if err != nil {
+		return nil, fmt.Errorf("sqlbroker: subscribe to %q: %w", topic, err)
+	}
+	groupID, err := store.EnsureGroup(ctx, s.db, s.config.ConsumerGroup, s.config.StartAtNewest)
+	if err != nil {
+		return nil, fmt.Errorf("sqlbroker: subscribe to %q: consumer group %q: %w", topic, s.config.ConsumerGroup, err)
+	}
+
+	sub := newSubscription(s, ctx, store, groupID)
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		sub.cancel(ErrClosed)
+		return nil, ErrClosed
+	}
+	s.subs[sub] = struct{}{}
+	s.mu.Unlock()
+	sub.start()
+	return sub.out, nil
+}
+
+// Close shuts the subscriber down, bounded by CloseTimeout (see Shutdown). It is idempotent
+// and safe to call concurrently; every call returns the first shutdown's error.
+func (s *Subscriber) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), s.config.CloseTimeout)
+	defer cancel()
+	_, err := s.Shutdown(ctx)
+	return err
+}
+
+func (s *Subscriber) isDone() bool {
+	select {
+	case <-s.done:
+		return true
+	default:
+		return false
+	}
+}
+
+func (s *Subscriber) removeSubscription(sub *subscription) {
+	s.mu.Lock()
+	delete(s.subs, sub)
+	s.mu.Unlock()
+}
+
+func validateTopic(topic string) error { return ident.ValidateName("topic", topic) }
+
+// subscription is one Subscribe call: its claim loop, lease extension and deliveries.
+type subscription struct {
+	s       *Subscriber
+	store   *offsets.Store
+	groupID int32
+	logger  watermill.LoggerAdapter
+	cfg     *SubscriberConfig
+
+	ctx    context.Context // the Subscribe context, cancelled also by Close
+	cancel context.CancelCauseFunc
+	msgCtx context.Context // parent of message contexts: Subscribe's values, not its cancel
+
+	out   chan *message.Message
+	slots chan struct{} // one token a message in flight
+	woken <-chan struct{}
+	unreg func()
+
+	mu     sync.Mutex
+	inWork map[int64]*delivery // claimed and not yet settled or given up
+
+	releasedAtStop atomic.Int64 // claims given back when the subscription stopped
+
+	settleCh chan settlement
+	awaits   sync.WaitGroup // await goroutines; settleCh closes when they are all done
+
+	claimDone chan struct{} // the claim loop ended and out is closed
+	stopExt   chan struct{} // closed by shutdown: stop extending leases
+	wg        sync.WaitGroup
+}
+
+// delivery is one claimed message.
+type delivery struct {
+	offset int64
+	token  int64
+	msg    *message.Message
+	cancel context.CancelCauseFunc
+
+	mu       sync.Mutex
+	deadline time.Time // local lease deadline
+	lost     bool
+	settling bool
+}
+
+func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, groupID int32) *subscription {
+	sctx, cancel := context.WithCancelCause(ctx)
+	sub := &subscription{
+		s:       s,
+		store:   store,
+		groupID: groupID,
+		cfg:     &s.config,
+		logger: s.logger.With(watermill.LogFields{
+			"topic":          store.T.Topic,
+			"consumer_group": s.config.ConsumerGroup,
+			"claim_mode":     s.config.ClaimMode.String(),
+		}),
+		ctx:       sctx,
+		cancel:    cancel,
+		msgCtx:    context.WithoutCancel(ctx),
+		out:       make(chan *message.Message),
+		slots:     make(chan struct{}, s.config.MaxInFlight),
+		inWork:    map[int64]*delivery{},
+		claimDone: make(chan struct{}),
+		settleCh:  make(chan settlement, s.config.MaxInFlight),
+		stopExt:   make(chan struct{}),
+	}
+	sub.woken, sub.unreg = wake.Register(store.T.Messages)
+	return sub
+}
+
+func (sub *subscription) start() {
+	sub.wg.Add(3)
+	go sub.claimLoop()
+	go sub.extendLoop()
+	go sub.settleLoop()
+	go func() {
+		<-sub.claimDone
+		sub.awaits.Wait()
+		close(sub.settleCh)
+	}()
+	go func() {
+		sub.wg.Wait()
+		sub.unreg()
+		sub.s.removeSubscription(sub)
+	}()
+}
+
+func (sub *subscription) inFlight() int {
+	sub.mu.Lock()
+	defer sub.mu.Unlock()
+	return len(sub.inWork)
+}
+
+func (sub *subscription) fields(offset int64) watermill.LogFields {
+	return watermill.LogFields{"offset": offset}
+}
+
+// wait sleeps for d, or until a publisher of this process wakes the topic, or ctx ends.
+func (sub *subscription) wait(d time.Duration, wakeable bool) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	var woken <-chan struct{}
+	if wakeable {
+		woken = sub.woken
+	}
+	select {
+	case <-t.C:
+		return true
+	case <-woken:
+		return true
+	case <-sub.ctx.Done():
+		return false
+	}
+}
+
+// claimLoop claims messages while there is room in flight, and hands them out one by one.
+func (sub *subscription) claimLoop() {
+	defer sub.wg.Done()
+	defer close(sub.claimDone)
+	defer close(sub.out)
+
+	buf := make([]offsets.Claimed, 0, sub.cfg.BatchSize)
+	for {
+		// Room for at least one message, then as many as are free, up to BatchSize.
+		select {
+		case sub.slots <- struct{}{}:
+		case <-sub.ctx.Done():
+			return
+		}
+		n := 1
+	fill:
+		for n < sub.cfg.BatchSize {
+			select {
+			case sub.slots <- struct{}{}:
+				n++
+			default:
+				break fill
+			}
+		}
+
+		claimed, token, err := sub.claim(buf[:0], n)
+		for range n - len(claimed) {
+			<-sub.slots
+		}
+		if err != nil {
+			if sub.ctx.Err() != nil {
+				return
+			}
+			sub.s.stats.errors.Add(1)
+			sub.logger.Error("Claim failed, retrying", err, watermill.LogFields{"retry_in": sub.cfg.RetryInterval})
+			if !sub.wait(sub.cfg.RetryInterval, false) {
+				return
+			}
+			continue
+		}
+		if len(claimed) == 0 {
+			if !sub.wait(sub.cfg.PollInterval, true) {
+				return
+			}
+			continue
+		}
+		sub.s.stats.claimed.Add(int64(len(claimed)))
+		if !sub.handOut(claimed, token) {
+			return
+		}
+	}
+}
+
+// claim takes up to n messages in one short statement: no transaction is left open.
+func (sub *subscription) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed, int64, error) {
+	token := rand.Int64N(1<<62) + 1
+	claimed, err := sub.store.Claim(sub.ctx, sub.s.db, sub.groupID, token, sub.cfg.LeaseTTL, n, buf)
+	return claimed, token, err
+}
+
+// handOut registers the claimed messages as in work and sends them on out, one by one. When the
+// subscription stops first, the claims not yet handed are given back at once (M5).
+func (sub *subscription) handOut(claimed []offsets.Claimed, token int64) bool {
+	deadline := time.Now().Add(sub.cfg.LeaseTTL)
+	ds := make([]*delivery, len(claimed))
+	sub.mu.Lock()
+	for i, c := range claimed {
+		d := sub.newDelivery(c, token, deadline)
+		ds[i] = d
+		sub.inWork[c.Offset] = d
+	}
+	sub.mu.Unlock()
+
+	for i, d := range ds {
+		select {
+		case sub.out <- d.msg:
+			sub.awaits.Add(1)
+			go sub.await(d)
+		case <-sub.ctx.Done():
+			sub.giveBack(ds[i:])
+			return false
+		}
+	}
+	return true
+}
+
+func (sub *subscription) newDelivery(c offsets.Claimed, token int64, deadline time.Time) *delivery {
+	msg := message.NewMessage(c.UUID, c.Payload)
+	if c.Metadata != "" && c.Metadata != "{}" {
+		md := map[string]string{}
+		if err := json.Unmarshal([]byte(c.Metadata), &md); err != nil {
+			sub.logger.Error("Message metadata is not a JSON object of strings; delivering without it", err, sub.fields(c.Offset))
+		}
+		for k, v := range md {
+			msg.Metadata.Set(k, v)
+		}
+	}
+	msg.Metadata.Set(MetadataAttempt, strconv.Itoa(c.Attempts))
+	msg.Metadata.Set(MetadataOffset, strconv.FormatInt(c.Offset, 10))
+	ctx, cancel := context.WithCancelCause(sub.msgCtx)
+	msg.SetContext(ctx)
+	return &delivery{offset: c.Offset, token: token, msg: msg, cancel: cancel, deadline: deadline}
+}
+
+// giveBack releases claims that never reached a handler.
+func (sub *subscription) giveBack(ds []*delivery) {
+	fs := make([]offsets.Fenced, len(ds))
+	sub.mu.Lock()
+	for i, d := range ds {
+		fs[i] = offsets.Fenced{Offset: d.offset, Token: d.token}
+		delete(sub.inWork, d.offset)
+		d.cancel(ErrClosed)
+	}
+	sub.mu.Unlock()
+	for range ds {
+		<-sub.slots
+	}
+	sub.release(fs)
+}
+
+func (sub *subscription) release(fs []offsets.Fenced) {
+	ctx, cancel := dbx.CleanupContext(sub.ctx)
+	defer cancel()
+	done, err := sub.store.Release(ctx, sub.s.db, sub.groupID, fs)
+	if err != nil {
+		sub.s.stats.errors.Add(1)
+		sub.logger.Error("Releasing undelivered claims failed; they return when their lease runs out", err, watermill.LogFields{"count": len(fs)})
+		return
+	}
+	sub.s.stats.released.Add(int64(len(done)))
+	sub.releasedAtStop.Add(int64(len(done)))
+	sub.logger.Debug("Released undelivered claims", watermill.LogFields{"count": len(done)})
+}
+
+// await waits for the handler's ack or nack and queues it for the settle loop.
+func (sub *subscription) await(d *delivery) {
+	defer sub.awaits.Done()
+	var op string
+	select {
+	case <-d.msg.Acked():
+		op = "ack"
+	case <-d.msg.Nacked():
+		op = "nack"
+	case <-sub.s.shutdown:
+		// The delivery keeps its lease (S4): it may still settle until the lease runs out.
+		d.mu.Lock()
+		left := time.Until(d.deadline)
+		d.mu.Unlock()
+		t := time.NewTimer(max(left, 0))
+		defer t.Stop()
+		select {
+		case <-d.msg.Acked():
+			op = "ack"
+		case <-d.msg.Nacked():
+			op = "nack"
+		case <-t.C:
+			sub.forget(d)
+			return
+		}
+	}
+	d.mu.Lock()
+	d.settling = true
+	d.mu.Unlock()
+	sub.settleCh <- settlement{d: d, op: op}
+}
+
+// settlement is an ack or nack waiting to be applied.
+type settlement struct {
+	d  *delivery
+	op string
+}
+
+// maxSettleBatch bounds the settlements applied in one statement.
+const maxSettleBatch = 1000
+
+// settleLoop applies acks and nacks, fenced by each delivery's token. Whatever queued up while
+// the previous statement ran goes into the next one, so under load one round trip settles
+// many messages and at rest a settlement waits for nothing. A database error is retried while
+// the delivery's lease still holds (it keeps being extended meanwhile).
+func (sub *subscription) settleLoop() {
+	defer sub.wg.Done()
+	var pending []settlement
+	for {
+		if len(pending) == 0 {
+			st, ok := <-sub.settleCh
+			if !ok {
+				return
+			}
+			pending = append(pending, st)
+		}
+	drain:
+		for len(pending) < maxSettleBatch {
+			select {
+			case st, ok := <-sub.settleCh:
+				if !ok {
+					break drain
+				}
+				pending = append(pending, st)
+			default:
+				break drain
+			}
+		}
+		var failed []settlement
+		for _, op := range [...]string{"ack", "nack"} {
+			failed = append(failed, sub.apply(op, pending)...)
+		}
+		pending = failed
+		if len(pending) > 0 {
+			select {
+			case <-time.After(sub.cfg.RetryInterval):
+			case <-sub.s.done:
+			}
+		}
+	}
+}
+
+// apply runs the settlements of kind op among sts in one statement and returns those that
+// failed with a database error and may be retried.
+func (sub *subscription) apply(op string, sts []settlement) []settlement {
+	var these []settlement
+	var fs []offsets.Fenced
+	for _, st := range sts {
+		if st.op == op {
+			these = append(these, st)
+			fs = append(fs, offsets.Fenced{Offset: st.d.offset, Token: st.d.token})
+		}
+	}
+	if len(fs) == 0 {
+		return nil
+	}
+	ctx, cancel := dbx.CleanupContext(sub.ctx)
+	var done map[int64]bool
+	var err error
+	if op == "ack" {
+		done, err = sub.store.Ack(ctx, sub.s.db, sub.groupID, fs)
+	} else {
+		done, err = sub.store.Nack(ctx, sub.s.db, sub.groupID, fs, sub.cfg.NackBackoff)
+	}
+	cancel()
+	if err != nil {
+		sub.s.stats.errors.Add(1)
+		var retry []settlement
+		for _, st := range these {
+			st.d.mu.Lock()
+			left := time.Until(st.d.deadline)
+			st.d.mu.Unlock()
+			if left > 0 && !sub.s.isDone() {
+				retry = append(retry, st)
+				continue
+			}
+			sub.logger.Error("Settlement failed and the lease ran out; the message will be redelivered", err, sub.fields(st.d.offset))
+			sub.forget(st.d)
+		}
+		sub.logger.Error("Settlement failed", err, watermill.LogFields{"op": op, "count": len(these), "retrying": len(retry)})
+		return retry
+	}
+	for _, st := range these {
+		if done[st.d.offset] {
+			if op == "ack" {
+				sub.s.stats.acked.Add(1)
+			} else {
+				sub.s.stats.nacked.Add(1)
+			}
+		} else {
+			sub.s.stats.stale.Add(1)
+			st.d.mu.Lock()
+			lost := st.d.lost
+			st.d.mu.Unlock()
+			serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: st.d.offset, Op: op}
+			sub.logger.Error("Settlement refused", serr, watermill.LogFields{"lease_lost_before": lost})
+		}
+		sub.forget(st.d)
+	}
+	return nil
+}
+
+// forget drops a delivery from the work set, frees its slot and ends its context.
+func (sub *subscription) forget(d *delivery) {
+	sub.mu.Lock()
+	if sub.inWork[d.offset] == d {
+		delete(sub.inWork, d.offset)
+	}
+	sub.mu.Unlock()
+	d.cancel(context.Canceled)
+	<-sub.slots
+}
+
+// extendLoop extends the leases of every delivery in work, well before they run out (L2). A
+// lease the database refuses to extend, or whose deadline passed locally, is lost: the
+// message's context is cancelled so the handler can stop (L4).
+func (sub *subscription) extendLoop() {
+	defer sub.wg.Done()
+	t := time.NewTicker(sub.cfg.LeaseRenewInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-sub.stopExt:
+			return
+		case <-sub.claimDone:
+			// The subscription stopped; keep extending while handlers still work.
+			if sub.inFlight() == 0 {
+				return
+			}
+			select {
+			case <-t.C:
+			case <-sub.stopExt:
+				return
+			}
+		}
+		sub.extendOnce()
+	}
+}
+
+func (sub *subscription) extendOnce() {
+	sub.mu.Lock()
+	ds := make([]*delivery, 0, len(sub.inWork))
+	for _, d := range sub.inWork {
+		ds = append(ds, d)
+	}
+	sub.mu.Unlock()
+	if len(ds) == 0 {
+		return
+	}
+	fs := make([]offsets.Fenced, 0, len(ds))
+	live := ds[:0]
+	now := time.Now()
+	for _, d := range ds {
+		d.mu.Lock()
+		ok := !d.lost
+		d.mu.Unlock()
+		if ok {
+			fs = append(fs, offsets.Fenced{Offset: d.offset, Token: d.token})
+			live = append(live, d)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(sub.ctx), sub.cfg.LeaseRenewInterval)
+	done, err := sub.store.Extend(ctx, sub.s.db, sub.groupID, fs, sub.cfg.LeaseTTL)
+	cancel()
+	if err != nil {
+		sub.s.stats.errors.Add(1)
+		sub.logger.Error("Extending leases failed", err, watermill.LogFields{"count": len(fs)})
+	}
+	for _, d := range live {
+		d.mu.Lock()
+		switch {
+		case err == nil && done[d.offset]:
+			d.deadline = now.Add(sub.cfg.LeaseTTL)
+			d.mu.Unlock()
+		case err == nil && !d.settling, err != nil && time.Now().After(d.deadline):
+			d.lost = true
+			d.mu.Unlock()
+			sub.s.stats.leasesLost.Add(1)
+			sub.logger.Info("Lease lost; the message may be redelivered", sub.fields(d.offset))
+			d.cancel(ErrLeaseLost)
+		default:
+			d.mu.Unlock()
+		}
+	}
+}

@@ -1,0 +1,119 @@
+// Package tests runs the cross-driver and cross-mode suites: Watermill's universal Pub/Sub
+// tests once per driver and claim mode.
+package tests
+
+import (
+	"os"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	testdb.Close()
+	if code == 0 {
+		if err := testdb.LeakCheck(); err != nil {
+			os.Stderr.WriteString("goroutines leaked: " + err.Error() + "\n")
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+type driver struct {
+	name string
+	db   func(t *testing.T) sqlbroker.DB
+}
+
+var drivers = []driver{
+	{"pgx", func(t *testing.T) sqlbroker.DB { return sqlbroker.Pgx(testdb.Pgx(t)) }},
+	{"libpq", func(t *testing.T) sqlbroker.DB { return sqlbroker.StdSQL(testdb.Std(t)) }},
+}
+
+// restartCommand restarts the local PostgreSQL for TestReconnect.
+func restartCommand() []string {
+	if cmd := os.Getenv("SQLBROKER_TEST_RESTART_COMMAND"); cmd != "" {
+		return []string{"sh", "-c", cmd}
+	}
+	return []string{"sh", "-c", "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql | sort -n | tail -1) main restart"}
+}
+
+// universalFeatures are the Features of the library. RestartServiceCommand is left out under
+// the race detector: Watermill's TestReconnect appends to a slice in one goroutine and reads
+// it in another without synchronisation (pubsub/tests/test_pubsub.go, v1.5.1), which the race
+// detector reports against whatever Pub/Sub runs it. `make test` runs the reconnect tests in a
+// second pass without -race.
+func universalFeatures(ordered bool) tests.Features {
+	var restart []string
+	if !raceEnabled {
+		restart = restartCommand()
+	}
+	return tests.Features{
+		ConsumerGroups:                      true,
+		ExactlyOnceDelivery:                 false,
+		GuaranteedOrder:                     ordered,
+		GuaranteedOrderWithSingleSubscriber: ordered,
+		Persistent:                          true,
+		NewSubscriberReceivesOldMessages:    true,
+		RestartServiceCommand:               restart,
+	}
+}
+
+func constructors(d driver, mode sqlbroker.ClaimMode, ordered bool) (tests.PubSubConstructor, tests.ConsumerGroupPubSubConstructor) {
+	build := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
+		db := d.db(t)
+		logger := watermill.NopLogger{}
+		pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, logger)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := sqlbroker.SubscriberConfig{
+			ConsumerGroup:    group,
+			ClaimMode:        mode,
+			InitializeSchema: true,
+			LeaseTTL:         5 * time.Second,
+			RetryInterval:    200 * time.Millisecond,
+			CloseTimeout:     10 * time.Second,
+		}
+		if ordered {
+			cfg.MaxInFlight = 1
+		}
+		sub, err := sqlbroker.NewSubscriber(db, cfg, logger)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return pub, sub
+	}
+	// Without a group, every subscriber the suite builds is a consumer of its own (like a
+	// Kafka consumer without a group): TestNewSubscriberReceivesOldMessages wants each new one
+	// to read the topic from its oldest message.
+	own := func(t *testing.T) (message.Publisher, message.Subscriber) {
+		return build(t, "own_"+watermill.NewShortUUID())
+	}
+	return own, build
+}
+
+func TestUniversal_Lease(t *testing.T) {
+	for _, d := range drivers {
+		t.Run(d.name, func(t *testing.T) {
+			pubSub, groupPubSub := constructors(d, sqlbroker.ClaimLease, false)
+			tests.TestPubSub(t, universalFeatures(false), pubSub, groupPubSub)
+		})
+	}
+}
+
+func TestUniversal_LeaseOrdered(t *testing.T) {
+	for _, d := range drivers {
+		t.Run(d.name, func(t *testing.T) {
+			pubSub, groupPubSub := constructors(d, sqlbroker.ClaimLease, true)
+			tests.TestPubSub(t, universalFeatures(true), pubSub, groupPubSub)
+		})
+	}
+}

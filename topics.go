@@ -1,0 +1,62 @@
+package sqlbroker
+
+import (
+	"context"
+	"sync"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+)
+
+// topics caches, per topic, the prepared SQL and whether its schema was created or checked.
+type topics struct {
+	schema, prefix string
+
+	mu    sync.Mutex
+	ready map[string]*offsets.Store
+}
+
+func newTopics(schema, prefix string) *topics {
+	return &topics{schema: schema, prefix: prefix, ready: map[string]*offsets.Store{}}
+}
+
+// store validates topic and returns its statements. The first call for a topic creates the
+// tables (initialize) or checks that they exist with this schema version.
+func (t *topics) store(ctx context.Context, pool dbx.Pool, q dbx.Querier, topic string, initialize bool) (*offsets.Store, error) {
+	if err := ident.ValidateName("topic", topic); err != nil {
+		return nil, err
+	}
+	t.mu.Lock()
+	s, ok := t.ready[topic]
+	t.mu.Unlock()
+	if ok {
+		return s, nil
+	}
+	tables := offsets.NewTables(t.schema, t.prefix, topic)
+	var err error
+	switch {
+	case initialize && pool != nil:
+		err = tables.Create(ctx, pool)
+	case initialize:
+		// Inside the caller's transaction: the DDL joins it.
+		err = tables.CreateIn(ctx, q)
+	default:
+		err = tables.Check(ctx, q)
+	}
+	if err != nil {
+		return nil, err
+	}
+	s = offsets.NewStore(tables)
+	t.mu.Lock()
+	t.ready[topic] = s
+	t.mu.Unlock()
+	return s, nil
+}
+
+// forget drops the cached state of topic, so that the next use checks its tables again.
+func (t *topics) forget(topic string) {
+	t.mu.Lock()
+	delete(t.ready, topic)
+	t.mu.Unlock()
+}
