@@ -40,9 +40,18 @@ func (t Tables) lockKey2() int32 {
 	return int32(h.Sum32())
 }
 
-// Create runs SchemaSQL in one transaction, under the library's schema advisory lock, so that
-// concurrent creators of one topic do not race on the catalog.
+// Create makes sure the tables exist. When they already do, with this schema version, it only
+// reads the catalog: the DDL takes table locks (CREATE INDEX IF NOT EXISTS waits for every
+// open writer of the table), which a running system must not queue behind. Otherwise it runs
+// SchemaSQL in one transaction, under the library's schema advisory lock, so that concurrent
+// creators of one topic do not race on the catalog.
 func (t Tables) Create(ctx context.Context, b dbx.Beginner) error {
+	if q, ok := b.(dbx.Querier); ok {
+		err := t.Check(ctx, q)
+		if err == nil || !IsMissing(err) {
+			return err
+		}
+	}
 	return dbx.InTx(ctx, b, func(tx dbx.Tx) error { return t.CreateIn(ctx, tx) })
 }
 

@@ -5,13 +5,17 @@ import (
 	"context"
 	"database/sql"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/lib/pq" // the database/sql driver under test
+	"github.com/google/uuid"
 	"go.uber.org/goleak"
+
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 // DefaultURL is the test database when SQLBROKER_TEST_POSTGRES_URL is not set.
@@ -116,5 +120,23 @@ func LeakCheck() error {
 			return err
 		}
 		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// Topic returns a unique topic name for t and drops its tables when t ends.
+func Topic(t testing.TB, schema string) string {
+	t.Helper()
+	topic := "t_" + strings.ReplaceAll(uuid.NewString(), "-", "")[:20]
+	t.Cleanup(func() { DropTopic(t, schema, topic) })
+	return topic
+}
+
+// DropTopic drops the tables of topic.
+func DropTopic(t testing.TB, schema, topic string) {
+	tables := offsets.NewTables(schema, "sqlbroker_", topic)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := Pgx(t).Exec(ctx, "DROP TABLE IF EXISTS "+tables.Messages+", "+tables.Groups+", "+tables.Claims); err != nil {
+		t.Errorf("dropping tables of %s: %v", topic, err)
 	}
 }

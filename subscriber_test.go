@@ -1,0 +1,366 @@
+package sqlbroker_test
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+)
+
+// A publisher that commits after later publishers must not be skipped: the subscriber holds
+// the later messages back until the earlier transaction ends, then delivers all of them.
+func TestSubscriber_M2_outOfOrderCommitsLoseNothing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{PollInterval: 20 * time.Millisecond})
+	require.NoError(t, sub.SubscribeInitialize(topic))
+
+	tx, err := testdb.Pgx(t).Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	txPub, err := sqlbroker.NewPublisher(sqlbroker.PgxTx(tx), sqlbroker.PublisherConfig{}, nil)
+	require.NoError(t, err)
+	early := publish(t, txPub, topic, "early")[0] // takes its offset and xid first, commits last
+
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	late := publish(t, pub, topic, "late-1", "late-2")
+
+	// While the early transaction is open, the later messages stay behind the xmin horizon.
+	noMessage(t, msgs, 500*time.Millisecond)
+
+	require.NoError(t, tx.Commit(ctx))
+	got := map[string]bool{}
+	for range 3 {
+		m := receive(t, msgs, 10*time.Second)
+		got[m.UUID] = true
+		m.Ack()
+	}
+	assert.True(t, got[early.UUID], "the early message was skipped")
+	assert.True(t, got[late[0].UUID] && got[late[1].UUID])
+}
+
+// A delivery whose lease ran out and whose message was claimed again cannot ack it: the ack is
+// refused, counted, and the new holder's ack applies (L3).
+func TestSubscriber_L3_staleAckRefusedAndCounted(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	// No extension happens during the test: the lease is made to run out by hand. With one
+	// message in flight, the slow subscriber does not claim it back itself.
+	slow := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 1, LeaseTTL: time.Hour, LeaseRenewInterval: 30 * time.Minute})
+	publish(t, pub, topic, "x")
+
+	first, err := slow.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m1 := receive(t, first, 10*time.Second)
+	assert.Equal(t, "1", m1.Metadata.Get(sqlbroker.MetadataAttempt))
+
+	// The lease runs out (as if the consumer had stalled past it).
+	_, err = testdb.Pgx(t).Exec(ctx, "UPDATE "+tables(topic).Claims+" SET visible_at = now() - interval '1 second'")
+	require.NoError(t, err)
+
+	other := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
+	second, err := other.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m2 := receive(t, second, 10*time.Second)
+	assert.Equal(t, m1.UUID, m2.UUID)
+	assert.Equal(t, "2", m2.Metadata.Get(sqlbroker.MetadataAttempt))
+
+	m1.Ack() // stale
+	testdb.Eventually(t, 10*time.Second, "the stale ack to be refused", func() bool { return slow.Stats().StaleSettlements == 1 })
+	assert.Equal(t, int64(0), slow.Stats().Acked)
+	assert.Equal(t, 1, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims), "the stale ack deleted the claim")
+
+	m2.Ack()
+	testdb.Eventually(t, 10*time.Second, "the new holder's ack", func() bool { return other.Stats().Acked == 1 })
+	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims))
+}
+
+// A lease that cannot be extended is lost: the message's context is cancelled with
+// ErrLeaseLost so the handler can stop (L4).
+func TestSubscriber_L4_lostLeaseCancelsMessageContext(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{LeaseTTL: 2 * time.Second, LeaseRenewInterval: 100 * time.Millisecond})
+	publish(t, pub, topic, "x")
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := receive(t, msgs, 10*time.Second)
+
+	// Another holder took the claim: its token no longer matches this delivery's.
+	_, err = testdb.Pgx(t).Exec(ctx, "UPDATE "+tables(topic).Claims+" SET token = 42")
+	require.NoError(t, err)
+
+	select {
+	case <-m.Context().Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("message context not cancelled after the lease was lost")
+	}
+	assert.ErrorIs(t, context.Cause(m.Context()), sqlbroker.ErrLeaseLost)
+	assert.Equal(t, int64(1), sub.Stats().LeasesLost)
+	m.Ack()
+	testdb.Eventually(t, 10*time.Second, "the ack to be refused", func() bool { return sub.Stats().StaleSettlements == 1 })
+}
+
+// A consumer that stops extending (it died, or shut down with the delivery in work) leaves a
+// lease that runs out; the message then goes to another consumer of the group, with its
+// attempt count raised (L5, S4).
+func TestSubscriber_L5_deadConsumersMessageReturnsAfterLease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	dying := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: time.Second, LeaseRenewInterval: 200 * time.Millisecond})
+	publish(t, pub, topic, "x")
+	msgs, err := dying.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := receive(t, msgs, 10*time.Second)
+
+	rep, err := dying.Shutdown(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, 1, rep.LeasesLeft)
+	stopped := time.Now()
+
+	other := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
+	again, err := other.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m2 := receive(t, again, 10*time.Second)
+	assert.Equal(t, m.UUID, m2.UUID)
+	assert.Equal(t, "2", m2.Metadata.Get(sqlbroker.MetadataAttempt))
+	assert.GreaterOrEqual(t, time.Since(stopped), 500*time.Millisecond, "redelivered before the lease ran out")
+	m2.Ack()
+}
+
+// Nack gives the message back with a backoff; the attempt count travels in the metadata (M4).
+func TestSubscriber_M4_nackBackoffAndAttempts(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	backoff := 400 * time.Millisecond
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{NackBackoff: backoff, PollInterval: 20 * time.Millisecond})
+	publish(t, pub, topic, "x")
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	m := receive(t, msgs, 10*time.Second)
+	require.Equal(t, "1", m.Metadata.Get(sqlbroker.MetadataAttempt))
+	for attempt := 2; attempt <= 3; attempt++ {
+		nacked := time.Now()
+		m.Nack()
+		m = receive(t, msgs, 10*time.Second)
+		assert.GreaterOrEqual(t, time.Since(nacked), backoff-20*time.Millisecond, "redelivered before the backoff passed")
+		require.Equal(t, strconv.Itoa(attempt), m.Metadata.Get(sqlbroker.MetadataAttempt))
+	}
+	m.Ack()
+	testdb.Eventually(t, 10*time.Second, "the ack", func() bool { return sub.Stats().Acked == 1 })
+	assert.Equal(t, int64(2), sub.Stats().Nacked)
+	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims))
+}
+
+// Cancelling the Subscribe context gives back at once every claim not yet handed to a handler
+// and closes the channel (M5).
+func TestSubscriber_M5_cancelReleasesUndeliveredClaims(t *testing.T) {
+	t.Parallel()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 10})
+	publish(t, pub, topic, "0", "1", "2", "3", "4", "5", "6", "7", "8", "9")
+
+	ctx, cancel := context.WithCancel(context.Background())
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	held := receive(t, msgs, 10*time.Second) // handed out; the other nine are claimed, waiting
+	testdb.Eventually(t, 10*time.Second, "ten claims", func() bool {
+		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims) == 10
+	})
+	cancel()
+	for range msgs { // closed once the claims are given back
+	}
+	assert.Equal(t, 9, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token = 0 AND visible_at <= now()"),
+		"undelivered claims not released")
+	assert.Equal(t, int64(9), sub.Stats().Released)
+
+	// Another consumer of the group takes them at once, not after a lease.
+	other := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
+	again, err := other.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	for range 9 {
+		m := receive(t, again, 5*time.Second)
+		assert.NotEqual(t, held.UUID, m.UUID)
+		assert.Equal(t, "1", m.Metadata.Get(sqlbroker.MetadataAttempt), "a release must not count as an attempt")
+		m.Ack()
+	}
+	held.Ack()
+}
+
+// Close stops every subscription, releases what was not handed out, and reports it.
+func TestSubscriber_M5_closeReleasesAndReports(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{MaxInFlight: 5})
+	publish(t, pub, topic, "0", "1", "2", "3", "4")
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := receive(t, msgs, 10*time.Second)
+	testdb.Eventually(t, 10*time.Second, "five claims", func() bool {
+		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims) == 5
+	})
+
+	rep, err := sub.Shutdown(ctx)
+	require.NoError(t, err)
+	_, open := <-msgs
+	assert.False(t, open, "channel not closed by Shutdown")
+	assert.Equal(t, 1, rep.Subscriptions)
+	assert.Equal(t, 4, rep.ClaimsReleased)
+	assert.Equal(t, 1, rep.DeliveriesInWork)
+	assert.Equal(t, 1, rep.LeasesLeft)
+	assert.ErrorIs(t, context.Cause(m.Context()), sqlbroker.ErrClosed)
+
+	// Close after Shutdown is a no-op; Subscribe is refused.
+	require.NoError(t, sub.Close())
+	_, err = sub.Subscribe(ctx, topic)
+	assert.ErrorIs(t, err, sqlbroker.ErrClosed)
+	m.Ack() // still within its lease: applied (S4)
+	testdb.Eventually(t, 10*time.Second, "the late ack", func() bool { return sub.Stats().Acked == 1 })
+}
+
+// Each consumer group receives every message (M1).
+func TestSubscriber_M1_everyGroupGetsEveryMessage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	sent := publish(t, pub, topic, "a", "b", "c")
+	for _, group := range []string{"billing", "audit"} {
+		sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: group})
+		msgs, err := sub.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		for i := range sent {
+			m := receive(t, msgs, 10*time.Second)
+			assert.Equal(t, sent[i].UUID, m.UUID, "group %s", group)
+			m.Ack()
+		}
+	}
+	// A group that starts at the newest sees only what comes after it.
+	late := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "late", StartAtNewest: true, PollInterval: 20 * time.Millisecond})
+	msgs, err := late.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	next := publish(t, pub, topic, "d")[0]
+	m := receive(t, msgs, 10*time.Second)
+	assert.Equal(t, next.UUID, m.UUID)
+	m.Ack()
+}
+
+// Topic and group names are validated before any SQL runs (M6): against a database that
+// cannot be reached, the error is still the name's.
+func TestSubscriber_M6_invalidNamesRefusedBeforeSQL(t *testing.T) {
+	t.Parallel()
+	unreachable := unreachableDB(t)
+	for _, bad := range []string{"", "a b", `x"; DROP TABLE users; --`, "é", string(make([]byte, 300))} {
+		_, err := sqlbroker.NewSubscriber(unreachable, sqlbroker.SubscriberConfig{ConsumerGroup: bad + "x "}, nil)
+		var nameErr *sqlbroker.NameError
+		require.ErrorAs(t, err, &nameErr, "group %q", bad)
+		assert.Equal(t, "ConsumerGroup", nameErr.Field)
+
+		sub, err := sqlbroker.NewSubscriber(unreachable, sqlbroker.SubscriberConfig{}, nil)
+		require.NoError(t, err)
+		_, err = sub.Subscribe(context.Background(), bad)
+		require.ErrorAs(t, err, &nameErr, "topic %q", bad)
+		assert.Equal(t, "topic", nameErr.Field)
+		require.NoError(t, sub.Close())
+
+		pub, err := sqlbroker.NewPublisher(unreachable, sqlbroker.PublisherConfig{}, nil)
+		require.NoError(t, err)
+		err = pub.Publish(bad, message.NewMessage(watermill.NewUUID(), nil))
+		require.ErrorAs(t, err, &nameErr, "topic %q", bad)
+	}
+}
+
+// Without InitializeSchema, a missing table is named, with how to create it (M7).
+func TestSubscriber_M7_missingTablesNamed(t *testing.T) {
+	t.Parallel()
+	topic := testdb.Topic(t, "")
+	sub, err := sqlbroker.NewSubscriber(pgxDB(t), sqlbroker.SubscriberConfig{}, nil)
+	require.NoError(t, err)
+	defer sub.Close()
+	_, err = sub.Subscribe(context.Background(), topic)
+	var missing *sqlbroker.MissingTableError
+	require.ErrorAs(t, err, &missing)
+	assert.Contains(t, err.Error(), tables(topic).Messages)
+	assert.Contains(t, err.Error(), "InitializeSchema")
+	assert.Contains(t, err.Error(), "SchemaSQL")
+
+	pub, err := sqlbroker.NewPublisher(pgxDB(t), sqlbroker.PublisherConfig{}, nil)
+	require.NoError(t, err)
+	err = pub.Publish(topic, message.NewMessage(watermill.NewUUID(), nil))
+	require.ErrorAs(t, err, &missing)
+
+	// The exported schema creates what Subscribe needs.
+	ddl, err := sqlbroker.SchemaSQL(topic, "", "")
+	require.NoError(t, err)
+	_, err = testdb.Pgx(t).Exec(context.Background(), ddl)
+	require.NoError(t, err)
+	msgs, err := sub.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	require.NotNil(t, msgs)
+}
+
+// Tables created by another schema version are refused with the version named.
+func TestSubscriber_schemaVersionMismatch(t *testing.T) {
+	t.Parallel()
+	topic := testdb.Topic(t, "")
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{})
+	require.NoError(t, sub.SubscribeInitialize(topic))
+	_, err := testdb.Pgx(t).Exec(context.Background(), "COMMENT ON TABLE "+tables(topic).Messages+" IS 'sqlbroker schema v0'")
+	require.NoError(t, err)
+	fresh, err := sqlbroker.NewSubscriber(pgxDB(t), sqlbroker.SubscriberConfig{}, nil)
+	require.NoError(t, err)
+	defer fresh.Close()
+	_, err = fresh.Subscribe(context.Background(), topic)
+	var verr *sqlbroker.SchemaVersionError
+	require.ErrorAs(t, err, &verr)
+	assert.Contains(t, err.Error(), "v0")
+}
+
+func TestSubscriberConfig_invalidDurationsNamed(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		cfg   sqlbroker.SubscriberConfig
+		field string
+	}{
+		{sqlbroker.SubscriberConfig{LeaseTTL: -time.Second}, "LeaseTTL"},
+		{sqlbroker.SubscriberConfig{LeaseTTL: 30 * time.Second, LeaseRenewInterval: 40 * time.Second}, "LeaseRenewInterval (40s) must be shorter than LeaseTTL (30s)"},
+		{sqlbroker.SubscriberConfig{PollInterval: -1}, "PollInterval"},
+		{sqlbroker.SubscriberConfig{NackBackoff: -time.Minute}, "NackBackoff"},
+		{sqlbroker.SubscriberConfig{MaxInFlight: -3}, "MaxInFlight"},
+		{sqlbroker.SubscriberConfig{ClaimMode: 7}, "ClaimMode"},
+		{sqlbroker.SubscriberConfig{TablePrefix: "Bad-Prefix"}, "TablePrefix"},
+		{sqlbroker.SubscriberConfig{Schema: `x"y`}, "Schema"},
+	}
+	for _, c := range cases {
+		_, err := sqlbroker.NewSubscriber(pgxDB(t), c.cfg, nil)
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), c.field)
+		var cerr *sqlbroker.ConfigError
+		var nerr *sqlbroker.NameError
+		assert.True(t, errors.As(err, &cerr) || errors.As(err, &nerr), "%T", err)
+	}
+}
