@@ -33,9 +33,10 @@ type CloseReport struct {
 //  1. No new Subscribe: it returns ErrClosed from now on.
 //  2. Every subscription stops claiming; claims not yet handed to a handler are given back at
 //     once, and the output channels are closed (M5).
-//  3. Lease extension stops (S2); the contexts of messages still in work are cancelled with
+//  3. Settlements already made by handlers (acked or nacked) are applied.
+//  4. Lease extension stops (S2); the contexts of messages still in work are cancelled with
 //     ErrClosed as their cause.
-//  4. Lease mode: deliveries still in work keep their leases, which run out unless the
+//  5. Lease mode: deliveries still in work keep their leases, which run out unless the
 //     delivery settles first (S4).
 //
 // Shutdown is idempotent: later and concurrent calls wait for the first one and return its
@@ -78,7 +79,15 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		}
 	}
 
-	// 3. Stop extending leases; end the contexts of messages in work.
+	// 3. Let the settlements already made (acked or nacked, not yet applied) reach the
+	// database, so that what is left in work is exactly what no handler has settled.
+	for _, sub := range subs {
+		if werr := sub.waitSettling(ctx); werr != nil && err == nil {
+			err = werr
+		}
+	}
+
+	// 4. Stop extending leases; end the contexts of messages in work.
 	for _, sub := range subs {
 		close(sub.stopExt)
 		sub.mu.Lock()
@@ -89,7 +98,7 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		sub.mu.Unlock()
 	}
 
-	// 4. Lease mode: deliveries in work keep their leases.
+	// 5. Lease mode: deliveries in work keep their leases.
 	if s.config.ClaimMode == ClaimLease {
 		rep.LeasesLeft = rep.DeliveriesInWork
 	}
@@ -106,4 +115,36 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		})
 	}
 	return rep, err
+}
+
+// waitSettling waits until no delivery in work has been acked or nacked without its
+// settlement being applied yet.
+func (sub *subscription) waitSettling(ctx context.Context) error {
+	t := time.NewTicker(time.Millisecond)
+	defer t.Stop()
+	for {
+		if !sub.settling() {
+			return nil
+		}
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+func (sub *subscription) settling() bool {
+	sub.mu.Lock()
+	defer sub.mu.Unlock()
+	for _, d := range sub.inWork {
+		select {
+		case <-d.msg.Acked():
+			return true
+		case <-d.msg.Nacked():
+			return true
+		default:
+		}
+	}
+	return false
 }

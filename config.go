@@ -145,6 +145,15 @@ type SubscriberConfig struct {
 
 	// CloseTimeout bounds Close, which runs Shutdown with it. Defaults to DefaultCloseTimeout.
 	CloseTimeout time.Duration
+
+	// SynchronousCommit makes claims, lease extensions, acks and nacks wait for their WAL
+	// record to reach disk, like any other transaction. By default they commit with
+	// synchronous_commit = off, for their own transaction only: they then cost no disk flush
+	// each, and a server crash can forget the last fraction of a second of them (up to three
+	// times wal_writer_delay), whose messages are then delivered again, as at-least-once
+	// delivery allows. Published messages are always committed synchronously. Defaults to
+	// false.
+	SynchronousCommit bool
 }
 
 func (c *SubscriberConfig) setDefaults() {

@@ -46,7 +46,7 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 		db:     db,
 		config: config,
 		logger: logger,
-		topics: newTopics(config.Schema, config.TablePrefix),
+		topics: newTopics(config.Schema, config.TablePrefix, false),
 	}, nil
 }
 

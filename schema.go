@@ -24,3 +24,16 @@ func SchemaSQL(topic, schema, tablePrefix string) (string, error) {
 	}
 	return offsets.NewTables(schema, tablePrefix, topic).SchemaSQL(), nil
 }
+
+// DropSQL returns the statement that drops the tables of topic, with the same arguments as
+// SchemaSQL. Every message and consumer-group position of the topic is lost.
+func DropSQL(topic, schema, tablePrefix string) (string, error) {
+	if _, err := SchemaSQL(topic, schema, tablePrefix); err != nil {
+		return "", err
+	}
+	if tablePrefix == "" {
+		tablePrefix = DefaultTablePrefix
+	}
+	t := offsets.NewTables(schema, tablePrefix, topic)
+	return "DROP TABLE IF EXISTS " + t.Messages + ", " + t.Groups + ", " + t.Claims, nil
+}

@@ -90,7 +90,7 @@ func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapte
 		db:       db.pool,
 		config:   config,
 		logger:   logger,
-		topics:   newTopics(config.Schema, config.TablePrefix),
+		topics:   newTopics(config.Schema, config.TablePrefix, !config.SynchronousCommit),
 		subs:     map[*subscription]struct{}{},
 		shutdown: make(chan struct{}),
 		done:     make(chan struct{}),

@@ -12,13 +12,14 @@ import (
 // topics caches, per topic, the prepared SQL and whether its schema was created or checked.
 type topics struct {
 	schema, prefix string
+	asyncCommit    bool
 
 	mu    sync.Mutex
 	ready map[string]*offsets.Store
 }
 
-func newTopics(schema, prefix string) *topics {
-	return &topics{schema: schema, prefix: prefix, ready: map[string]*offsets.Store{}}
+func newTopics(schema, prefix string, asyncCommit bool) *topics {
+	return &topics{schema: schema, prefix: prefix, asyncCommit: asyncCommit, ready: map[string]*offsets.Store{}}
 }
 
 // store validates topic and returns its statements. The first call for a topic creates the
@@ -47,7 +48,7 @@ func (t *topics) store(ctx context.Context, pool dbx.Pool, q dbx.Querier, topic 
 	if err != nil {
 		return nil, err
 	}
-	s = offsets.NewStore(tables)
+	s = offsets.NewStore(tables, t.asyncCommit)
 	t.mu.Lock()
 	t.ready[topic] = s
 	t.mu.Unlock()

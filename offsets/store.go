@@ -31,9 +31,20 @@ type Store struct {
 	horizonSQL   string
 }
 
-// NewStore prepares the SQL text for t.
-func NewStore(t Tables) *Store {
+// NewStore prepares the SQL text for t. With asyncCommit, claims, extensions and
+// settlements commit without waiting for their WAL record to reach disk
+// (synchronous_commit = off for their own transaction only): a server crash can then forget
+// the last fraction of a second of them, and the messages concerned are delivered again,
+// which at-least-once delivery allows. Publishing is never asynchronous.
+func NewStore(t Tables, asyncCommit bool) *Store {
 	s := &Store{T: t}
+	// The setting is made inside the statement, so that it holds for the statement's own
+	// implicit transaction and costs no round trip; the condition makes the planner run it.
+	with, cond := "WITH ", ""
+	if asyncCommit {
+		with = "WITH sc AS (SELECT set_config('synchronous_commit', 'off', true) AS v), "
+		cond = " AND (SELECT v FROM sc) IS NOT NULL"
+	}
 
 	// One round trip claims up to $4 messages for group $1 under token $2 with a lease of $3 ms:
 	//  - due: claims of the group that are due again (their lease ran out, or they were nacked
@@ -42,10 +53,13 @@ func NewStore(t Tables) *Store {
 	//  - if that left room: lock the group row (serialises the group's claimers for a few
 	//    milliseconds), read the next messages after its position that were written by
 	//    transactions older than every running one (M2), claim them and advance the position.
+	//    The position is read through scalar subqueries so that it reaches the index scan of
+	//    (xid, offset) as a bound: joined as a row, the planner would scan from the start of
+	//    the index and filter, a cost that grows with every message the group consumed.
 	// Redeliveries come first, then new messages in (xid, offset) order.
-	s.claimSQL = fmt.Sprintf(`WITH due AS (
+	s.claimSQL = fmt.Sprintf(`%[4]sdue AS (
 	SELECT "offset" FROM %[3]s
-	WHERE "group_id" = $1 AND "visible_at" <= now()
+	WHERE "group_id" = $1 AND "visible_at" <= now()%[5]s
 	ORDER BY "offset" LIMIT $4
 	FOR UPDATE SKIP LOCKED
 ), r AS (
@@ -58,8 +72,8 @@ func NewStore(t Tables) *Store {
 	FOR UPDATE
 ), m AS (
 	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata"
-	FROM %[2]s m, g
-	WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
+	FROM %[2]s m
+	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
 	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
 	ORDER BY m."xid", m."offset"
 	LIMIT $4 - (SELECT count(*) FROM due)
@@ -77,30 +91,28 @@ SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM 
 	UNION ALL
 	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
 	FROM m
-) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims)
+) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims, with, cond)
 
 	// Settlements are fenced by the token and take many claims at once.
-	s.ackSQL = fmt.Sprintf(`DELETE FROM %s c
-USING unnest($2::bigint[], $3::bigint[]) AS a("offset", "token")
-WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
-RETURNING c."offset"`, t.Claims)
-
-	s.nackSQL = fmt.Sprintf(`UPDATE %s c SET "token" = 0, "visible_at" = now() + $4::float8 * interval '1 millisecond'
+	settle := func(stmt string) string {
+		head := ""
+		if asyncCommit {
+			head = strings.TrimSuffix(with, ", ") + "\n"
+		}
+		return head + fmt.Sprintf(stmt, t.Claims) + `
 FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token")
-WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
-RETURNING c."offset"`, t.Claims)
+WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"` + cond + `
+RETURNING c."offset"`
+	}
+	s.ackSQL = strings.Replace(settle(`DELETE FROM %s c`), "\nFROM unnest", "\nUSING unnest", 1)
+
+	s.nackSQL = settle(`UPDATE %s c SET "token" = 0, "visible_at" = now() + $4::float8 * interval '1 millisecond'`)
 
 	// Release gives back claims that never reached a handler: visible at once, and the attempt
 	// they were counted as is taken back.
-	s.releaseSQL = fmt.Sprintf(`UPDATE %s c SET "token" = 0, "visible_at" = now(), "attempts" = greatest(c."attempts" - 1, 0)
-FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token")
-WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
-RETURNING c."offset"`, t.Claims)
+	s.releaseSQL = settle(`UPDATE %s c SET "token" = 0, "visible_at" = now(), "attempts" = greatest(c."attempts" - 1, 0)`)
 
-	s.extendSQL = fmt.Sprintf(`UPDATE %s c SET "visible_at" = now() + $4::float8 * interval '1 millisecond'
-FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token")
-WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
-RETURNING c."offset"`, t.Claims)
+	s.extendSQL = settle(`UPDATE %s c SET "visible_at" = now() + $4::float8 * interval '1 millisecond'`)
 
 	s.insertPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata") VALUES `, t.Messages)
 

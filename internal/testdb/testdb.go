@@ -10,9 +10,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/lib/pq" // the database/sql driver under test
-	"github.com/google/uuid"
 	"go.uber.org/goleak"
 
 	"github.com/sqlbroker/watermill-sqlbroker/offsets"
