@@ -1,0 +1,35 @@
+// Package sqlbroker is a Watermill Publisher and Subscriber over PostgreSQL tables, for pgx/v5
+// and database/sql.
+//
+// # Drivers
+//
+// Wrap the caller's pool with Pgx or StdSQL, or the caller's transaction with PgxTx or StdTx
+// to publish inside it. The library never closes a pool it was given.
+//
+// # Delivery
+//
+// Delivery is at least once. A subscriber claims messages for its consumer group in one short
+// statement and holds each with a lease (ClaimLease) that a loop extends while the handler
+// runs; no transaction or connection is held meanwhile. Every ack, nack and extension is
+// fenced by the claim's token: a consumer whose lease ran out cannot settle a message that
+// went to another one. Messages are read in the order of the transactions that wrote them and
+// only once every older transaction has ended, so a late commit is never skipped; the cost is
+// that a long transaction anywhere in the cluster holds delivery back until it ends.
+//
+// # Consumer groups
+//
+// Every consumer group receives every message of a topic; within a group each message is
+// worked by one consumer at a time. SubscriberConfig.MaxInFlight bounds how many one
+// subscription holds at once.
+//
+// # Shutdown
+//
+// Cancelling the Subscribe context or calling Close stops a subscription, gives back the
+// claims not yet handed to a handler and closes its channel. Shutdown returns a CloseReport
+// of what it did.
+//
+// # Schema
+//
+// InitializeSchema creates the tables of a topic; SchemaSQL returns the same DDL for
+// migration tools.
+package sqlbroker
