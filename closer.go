@@ -2,6 +2,7 @@ package sqlbroker
 
 import (
 	"context"
+	"errors"
 	"github.com/ThreeDotsLabs/watermill"
 	"time"
 )
@@ -19,11 +20,33 @@ type CloseReport struct {
 	ClaimsReleased int
 	// DeliveriesInWork is the number of messages handed to handlers and not yet settled.
 	DeliveriesInWork int
+	// QueriesCancelled is the number of claim statements that were running when their
+	// subscription stopped, that the server was asked to cancel, and whose end and rollback
+	// the shutdown waited for (S3).
+	QueriesCancelled int
 	// LeasesLeft is the number of lease-mode deliveries in work whose leases were left to run
 	// out: settled before then, the settlement applies; otherwise the message returns (S4).
 	LeasesLeft int
 	// Duration is how long the shutdown took.
 	Duration time.Duration
+}
+
+// add adds the figures of o to r.
+func (r *CloseReport) add(o CloseReport) {
+	r.LocksReleased += o.LocksReleased
+	r.ConnectionsClosed += o.ConnectionsClosed
+	r.Subscriptions += o.Subscriptions
+	r.ClaimsReleased += o.ClaimsReleased
+	r.DeliveriesInWork += o.DeliveriesInWork
+	r.LeasesLeft += o.LeasesLeft
+	r.QueriesCancelled += o.QueriesCancelled
+}
+
+func joinErrors(errs []error) error {
+	if len(errs) == 0 {
+		return nil
+	}
+	return errors.Join(errs...)
 }
 
 // Shutdown stops the subscriber, bounded by ctx like http.Server.Shutdown: it returns ctx's
@@ -74,6 +97,7 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		select {
 		case <-sub.claimDone:
 			rep.ClaimsReleased += int(sub.releasedAtStop.Load())
+			rep.QueriesCancelled += int(sub.queriesCancelled.Load())
 		case <-ctx.Done():
 			err = ctx.Err()
 		}

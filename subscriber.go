@@ -138,6 +138,14 @@ func (s *Subscriber) tablesOf(topic string) (offsets.Tables, error) {
 // already handed out stay claimed until they are acked or nacked (their leases are extended
 // meanwhile) or until Shutdown.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	sub, err := s.subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	return sub.out, nil
+}
+
+func (s *Subscriber) subscribe(ctx context.Context, topic string) (*subscription, error) {
 	s.mu.Lock()
 	closed := s.closed
 	s.mu.Unlock()
@@ -158,12 +166,24 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if s.closed {
 		s.mu.Unlock()
 		sub.cancel(ErrClosed)
+		sub.unreg()
 		return nil, ErrClosed
 	}
 	s.subs[sub] = struct{}{}
 	s.mu.Unlock()
 	sub.start()
-	return sub.out, nil
+	return sub, nil
+}
+
+// stopSubscriptions stops every subscription as a cancel of its context would: claiming
+// stops, undelivered claims are given back, channels close. Deliveries in work stay claimed
+// and their leases keep being extended until they settle or Shutdown runs.
+func (s *Subscriber) stopSubscriptions() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for sub := range s.subs {
+		sub.cancel(ErrClosed)
+	}
 }
 
 // Close shuts the subscriber down, bounded by CloseTimeout (see Shutdown). It is idempotent
@@ -212,7 +232,8 @@ type subscription struct {
 	mu     sync.Mutex
 	inWork map[int64]*delivery // claimed and not yet settled or given up
 
-	releasedAtStop atomic.Int64 // claims given back when the subscription stopped
+	releasedAtStop   atomic.Int64 // claims given back when the subscription stopped
+	queriesCancelled atomic.Int64 // claim statements cancelled on the server and awaited (S3)
 
 	settleCh chan settlement
 	awaits   sync.WaitGroup // await goroutines; settleCh closes when they are all done
@@ -359,10 +380,67 @@ func (sub *subscription) claimLoop() {
 	}
 }
 
+// claimTimeout bounds one claim statement, as a safety net: it runs under no caller's
+// context (see claim).
+const claimTimeout = time.Minute
+
 // claim takes up to n messages in one short statement: no transaction is left open.
+//
+// The statement does not run under the subscription's context: a context cancelled in the
+// middle of a query makes the driver return at once while the server may still be running it
+// (pgx then closes the socket in the background), so the caller's error is not the server's
+// word. When the subscription stops during a claim, the server is asked to cancel that very
+// statement (pg_cancel_backend of its backend), and the claim returns only once the server
+// has ended it and rolled it back (S3).
 func (sub *subscription) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed, int64, error) {
 	token := rand.Int64N(1<<62) + 1
-	claimed, err := sub.store.Claim(sub.ctx, sub.s.db, sub.groupID, token, sub.cfg.LeaseTTL, n, buf)
+	qctx, cancel := context.WithTimeout(context.WithoutCancel(sub.ctx), claimTimeout)
+	defer cancel()
+	if sub.ctx.Err() != nil {
+		return nil, 0, sub.ctx.Err()
+	}
+	conn, err := sub.s.db.Acquire(qctx)
+	if err != nil {
+		return nil, 0, err
+	}
+	pid, err := conn.PID(qctx)
+	if err != nil {
+		conn.Destroy()
+		return nil, 0, err
+	}
+	var cancelSent atomic.Bool
+	cancelled := make(chan struct{})
+	stop := context.AfterFunc(sub.ctx, func() {
+		defer close(cancelled)
+		cctx, ccancel := dbx.CleanupContext(sub.ctx)
+		defer ccancel()
+		if _, err := sub.s.db.Exec(cctx, "SELECT pg_cancel_backend($1)", int64(pid)); err != nil {
+			sub.logger.Error("Cancelling the running claim failed", err, watermill.LogFields{"pid": pid})
+		}
+		cancelSent.Store(true)
+	})
+	claimed, err := sub.store.Claim(qctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, buf)
+	if !stop() {
+		<-cancelled // hold the connection until the cancel has been sent
+	}
+	switch {
+	case !cancelSent.Load():
+		conn.Release()
+	case err != nil && dbx.SQLState(err) == dbx.CodeQueryCanceled:
+		// The server ended the statement and rolled it back; the connection is sound.
+		sub.queriesCancelled.Add(1)
+		conn.Release()
+	default:
+		// The claim ended before the cancel arrived: make sure no cancel is left pending for
+		// the connection's next user.
+		pctx, pcancel := dbx.CleanupContext(sub.ctx)
+		if _, perr := conn.Exec(pctx, "SELECT 1"); perr != nil {
+			conn.Destroy()
+		} else {
+			conn.Release()
+		}
+		pcancel()
+	}
 	return claimed, token, err
 }
 

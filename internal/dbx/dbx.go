@@ -61,6 +61,8 @@ type Pool interface {
 	Dedicated(ctx context.Context) (Conn, error)
 	// Close closes the pool. Only a pool the library built is ever closed by the library.
 	Close()
+	// OpenConns is the number of connections the pool has open now.
+	OpenConns() int
 	// Driver names the driver: "pgx" or "database/sql".
 	Driver() string
 }

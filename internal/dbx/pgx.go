@@ -125,3 +125,5 @@ func (c *pgxConn) Destroy() {
 	defer cancel()
 	_ = c.c.Close(ctx)
 }
+
+func (p *PgxPool) OpenConns() int { return int(p.Pool.Stat().TotalConns()) }

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"errors"
+	"sync"
 
 	"github.com/lib/pq"
 )
@@ -114,8 +115,18 @@ func (c *stdConn) Begin(ctx context.Context) (Tx, error) {
 	return stdTx{stdQ{tx}, tx}, nil
 }
 
+// pids remembers the backend pid of each driver connection database/sql has handed out, so
+// that asking costs one round trip per physical connection, not per use.
+var pids sync.Map // driver connection -> uint32
+
 func (c *stdConn) PID(ctx context.Context) (uint32, error) {
 	if c.pid != 0 {
+		return c.pid, nil
+	}
+	var key any
+	_ = c.c.Raw(func(dc any) error { key = dc; return nil })
+	if v, ok := pids.Load(key); ok && key != nil {
+		c.pid = v.(uint32)
 		return c.pid, nil
 	}
 	var pid int64
@@ -123,6 +134,9 @@ func (c *stdConn) PID(ctx context.Context) (uint32, error) {
 		return 0, err
 	}
 	c.pid = uint32(pid)
+	if key != nil {
+		pids.Store(key, c.pid)
+	}
 	return c.pid, nil
 }
 
@@ -130,9 +144,11 @@ func (c *stdConn) Release() { _ = c.c.Close() }
 
 // Destroy marks the driver connection bad so that database/sql closes it instead of pooling it.
 func (c *stdConn) Destroy() {
-	_ = c.c.Raw(func(any) error { return driver.ErrBadConn })
+	_ = c.c.Raw(func(dc any) error { pids.Delete(dc); return driver.ErrBadConn })
 	_ = c.c.Close()
 }
 
 // IsBadConn reports whether err says that the connection is gone.
 func IsBadConn(err error) bool { return errors.Is(err, driver.ErrBadConn) }
+
+func (p *StdPool) OpenConns() int { return p.DB.Stats().OpenConnections }

@@ -1,0 +1,320 @@
+package sqlbroker
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/lib/pq" // the database/sql driver behind libpq+postgres:// URLs
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+)
+
+// Defaults of BrokerConfig.
+const (
+	DefaultMaxConns       = 20
+	DefaultConnectTimeout = 5 * time.Second
+)
+
+// BrokerConfig configures a Broker built from a URL.
+type BrokerConfig struct {
+	// MaxConns bounds the connections of the pool the broker builds. Defaults to
+	// DefaultMaxConns.
+	MaxConns int
+
+	// ConnectTimeout bounds the opening of one connection, unless the URL sets
+	// connect_timeout. A URL that points at no server fails within it, naming the host.
+	// Defaults to DefaultConnectTimeout.
+	ConnectTimeout time.Duration
+
+	// CloseTimeout bounds Close, which runs Shutdown with it. Defaults to DefaultCloseTimeout.
+	CloseTimeout time.Duration
+}
+
+func (c *BrokerConfig) setDefaults() {
+	if c.MaxConns == 0 {
+		c.MaxConns = DefaultMaxConns
+	}
+	if c.ConnectTimeout == 0 {
+		c.ConnectTimeout = DefaultConnectTimeout
+	}
+	if c.CloseTimeout == 0 {
+		c.CloseTimeout = DefaultCloseTimeout
+	}
+}
+
+func (c *BrokerConfig) validate() error {
+	if c.MaxConns < 0 {
+		return &ConfigError{Field: "MaxConns", Value: c.MaxConns, Reason: "must not be negative"}
+	}
+	if c.ConnectTimeout < 0 {
+		return &ConfigError{Field: "ConnectTimeout", Value: c.ConnectTimeout, Reason: "must not be negative"}
+	}
+	if c.CloseTimeout < 0 {
+		return &ConfigError{Field: "CloseTimeout", Value: c.CloseTimeout, Reason: "must not be negative"}
+	}
+	return nil
+}
+
+// Broker owns a pool it built from a URL, and the publishers and subscribers it hands out.
+// Nothing connects until the first statement. Shutdown stops the subscribers, closes the
+// publishers (every later Publish returns ErrClosed) and closes the pool last (S6).
+type Broker struct {
+	config  BrokerConfig
+	logger  watermill.LoggerAdapter
+	pool    dbx.Pool
+	driver  string
+	display string // the URL without its password, for logs and errors
+
+	mu          sync.Mutex
+	closed      bool
+	publishers  []*Publisher
+	subscribers []*Subscriber
+	done        chan struct{}
+	report      CloseReport
+	err         error
+}
+
+// Open builds a Broker on the PostgreSQL database rawURL names. The scheme picks the driver:
+// postgres:// or postgresql:// (pgx/v5), pgx+postgres:// (the same), libpq+postgres://
+// (database/sql with lib/pq). Open checks the URL and connects to nothing; errors never
+// contain the password.
+func Open(rawURL string, config BrokerConfig, logger watermill.LoggerAdapter) (*Broker, error) {
+	config.setDefaults()
+	if err := config.validate(); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	driver, connURL, display, err := parseBrokerURL(rawURL)
+	if err != nil {
+		return nil, err
+	}
+	b := &Broker{config: config, logger: logger, driver: driver, display: display, done: make(chan struct{})}
+	switch driver {
+	case "pgx":
+		cfg, err := pgxpool.ParseConfig(connURL)
+		if err != nil {
+			return nil, fmt.Errorf("sqlbroker: Open %s: %s", display, redact(err.Error(), rawURL))
+		}
+		cfg.MaxConns = int32(config.MaxConns)
+		if cfg.ConnConfig.ConnectTimeout == 0 {
+			cfg.ConnConfig.ConnectTimeout = config.ConnectTimeout
+		}
+		pool, err := pgxpool.NewWithConfig(context.Background(), cfg) // lazy: no connection yet
+		if err != nil {
+			return nil, fmt.Errorf("sqlbroker: Open %s: %s", display, redact(err.Error(), rawURL))
+		}
+		b.pool = dbx.NewPgxPool(pool)
+	case "lib/pq":
+		db, err := sql.Open("postgres", connURL) // lazy: no connection yet
+		if err != nil {
+			return nil, fmt.Errorf("sqlbroker: Open %s: %s", display, redact(err.Error(), rawURL))
+		}
+		db.SetMaxOpenConns(config.MaxConns)
+		db.SetMaxIdleConns(config.MaxConns)
+		b.pool = dbx.NewStdPool(db)
+	}
+	return b, nil
+}
+
+// parseBrokerURL picks the driver and returns the URL to hand it, and the URL to show.
+func parseBrokerURL(rawURL string) (driver, connURL, display string, err error) {
+	scheme, rest, ok := strings.Cut(rawURL, "://")
+	if !ok {
+		return "", "", "", &ConfigError{Field: "url", Value: "(not shown)", Reason: "is not a URL: want postgres://user@host:port/database"}
+	}
+	switch scheme {
+	case "postgres", "postgresql", "pgx+postgres", "pgx+postgresql":
+		driver = "pgx"
+	case "libpq+postgres", "libpq+postgresql":
+		driver = "lib/pq"
+	default:
+		return "", "", "", &ConfigError{Field: "url", Value: scheme + "://...", Reason: "has an unknown scheme: want postgres://, pgx+postgres:// or libpq+postgres://"}
+	}
+	connURL = "postgres://" + rest
+	u, perr := url.Parse(connURL)
+	if perr != nil || u.Host == "" {
+		return "", "", "", &ConfigError{Field: "url", Value: scheme + "://...", Reason: "is malformed: want " + scheme + "://user[:password]@host[:port]/database[?options]"}
+	}
+	if _, hasPassword := u.User.Password(); hasPassword {
+		u.User = url.UserPassword(u.User.Username(), "xxxxx")
+	}
+	u.Scheme = scheme
+	return driver, connURL, u.Redacted(), nil
+}
+
+// redact removes the password of rawURL from msg, wherever a driver echoed it.
+func redact(msg, rawURL string) string {
+	if u, err := url.Parse(strings.Replace(rawURL, "+postgres", "", 1)); err == nil {
+		if pw, ok := u.User.Password(); ok && pw != "" {
+			msg = strings.ReplaceAll(msg, pw, "xxxxx")
+			msg = strings.ReplaceAll(msg, url.QueryEscape(pw), "xxxxx")
+		}
+	}
+	return msg
+}
+
+// String names the broker's database, without the password.
+func (b *Broker) String() string { return "sqlbroker.Broker(" + b.driver + " " + b.display + ")" }
+
+func (b *Broker) db() DB { return DB{pool: b.pool} }
+
+func (b *Broker) register(fn func()) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return ErrClosed
+	}
+	fn()
+	return nil
+}
+
+// NewPublisher builds a Publisher on the broker's pool; Shutdown closes it.
+func (b *Broker) NewPublisher(config PublisherConfig) (*Publisher, error) {
+	return b.publisher(b.db(), config)
+}
+
+// NewTxPublisher builds a Publisher inside the caller's transaction (PgxTx or StdTx); Shutdown
+// closes it, so that it too refuses every publish after the shutdown.
+func (b *Broker) NewTxPublisher(tx DB, config PublisherConfig) (*Publisher, error) {
+	if tx.tx == nil {
+		return nil, &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap a transaction: use sqlbroker.PgxTx or sqlbroker.StdTx"}
+	}
+	return b.publisher(tx, config)
+}
+
+func (b *Broker) publisher(db DB, config PublisherConfig) (*Publisher, error) {
+	pub, err := NewPublisher(db, config, b.logger)
+	if err != nil {
+		return nil, err
+	}
+	if err := b.register(func() { b.publishers = append(b.publishers, pub) }); err != nil {
+		return nil, err
+	}
+	return pub, nil
+}
+
+// NewSubscriber builds a Subscriber on the broker's pool; Shutdown shuts it down.
+func (b *Broker) NewSubscriber(config SubscriberConfig) (*Subscriber, error) {
+	sub, err := NewSubscriber(b.db(), config, b.logger)
+	if err != nil {
+		return nil, err
+	}
+	if err := b.register(func() { b.subscribers = append(b.subscribers, sub) }); err != nil {
+		return nil, err
+	}
+	return sub, nil
+}
+
+// InitializeSchema creates the tables of topics (see SchemaSQL), for a service that creates
+// them at start-up, before its subscriptions check them.
+func (b *Broker) InitializeSchema(ctx context.Context, config PublisherConfig, topics ...string) error {
+	config.setDefaults()
+	if err := config.validate(); err != nil {
+		return err
+	}
+	for _, topic := range topics {
+		if err := validateTopic(topic); err != nil {
+			return err
+		}
+		if err := offsets.NewTables(config.Schema, config.TablePrefix, topic).Create(ctx, b.pool); err != nil {
+			return fmt.Errorf("sqlbroker: creating the tables of %q: %w", topic, err)
+		}
+	}
+	return nil
+}
+
+// Shutdown shuts down everything the broker handed out, then closes its pool, bounded by ctx
+// like http.Server.Shutdown. The order:
+//  1. No new publisher or subscriber.
+//  2. Every subscriber shuts down (see Subscriber.Shutdown).
+//  3. Every publisher closes: later publishes return ErrClosed, and those already running
+//     have committed or failed when this step ends (S8).
+//  4. The pool closes last: it lends no new connection, and a connection still lent out is
+//     closed when it comes back (S6).
+//
+// The report adds up the subscribers' reports and the pool's connections closed. Later and
+// concurrent calls wait for the first and return its result.
+func (b *Broker) Shutdown(ctx context.Context) (CloseReport, error) {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		select {
+		case <-b.done:
+			return b.report, b.err
+		case <-ctx.Done():
+			return CloseReport{}, ctx.Err()
+		}
+	}
+	// 1. No new publisher or subscriber.
+	b.closed = true
+	pubs, subs := b.publishers, b.subscribers
+	b.mu.Unlock()
+	start := time.Now()
+	var rep CloseReport
+	var errs []error
+
+	// 2. Subscribers.
+	for _, s := range subs {
+		r, err := s.Shutdown(ctx)
+		rep.add(r)
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	// 3. Publishers.
+	for _, p := range pubs {
+		if err := p.shutdown(ctx); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	// 4. The pool, last.
+	n, err := closePool(ctx, b.pool)
+	rep.ConnectionsClosed += n
+	if err != nil {
+		errs = append(errs, err)
+	}
+	rep.Duration = time.Since(start)
+
+	b.mu.Lock()
+	b.report, b.err = rep, joinErrors(errs)
+	b.mu.Unlock()
+	close(b.done)
+	b.logger.Info("Broker shut down", watermill.LogFields{
+		"database": b.display, "connections_closed": rep.ConnectionsClosed, "locks_released": rep.LocksReleased, "duration": rep.Duration,
+	})
+	return rep, b.err
+}
+
+// Close runs Shutdown bounded by CloseTimeout.
+func (b *Broker) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), b.config.CloseTimeout)
+	defer cancel()
+	_, err := b.Shutdown(ctx)
+	return err
+}
+
+// closePool closes a pool the library built and returns how many connections it had open.
+func closePool(ctx context.Context, pool dbx.Pool) (int, error) {
+	open := pool.OpenConns()
+	done := make(chan struct{})
+	go func() {
+		pool.Close()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return open, nil
+	case <-ctx.Done():
+		return 0, fmt.Errorf("sqlbroker: closing the pool: connections still lent out: %w", ctx.Err())
+	}
+}

@@ -1,0 +1,179 @@
+package sqlbroker
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Shutdowner is what a RouterHook shuts down: a *Subscriber, or a *Broker with everything it
+// handed out.
+type Shutdowner interface {
+	Shutdown(ctx context.Context) (CloseReport, error)
+	owns(*Subscriber) bool
+}
+
+func (s *Subscriber) owns(o *Subscriber) bool { return s == o }
+
+func (b *Broker) owns(o *Subscriber) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return slices.Contains(b.subscribers, o)
+}
+
+// RouterHookConfig configures a RouterHook.
+type RouterHookConfig struct {
+	// CloseTimeout must be the Router's RouterConfig.CloseTimeout: handlers drain for at most
+	// this long, minus the time the shutdown keeps for itself (a tenth of it, at most 2s).
+	// Defaults to 30s, the Router's own default.
+	CloseTimeout time.Duration
+}
+
+// RouterHook ties the library's shutdown to a Watermill Router's (S10). Add its Plugin to
+// the Router; when router.Run returns, whether the Router was closed or Run's context was
+// cancelled, the handlers have drained, the library has shut down and closed what it built,
+// and Report returns what the shutdown did:
+//
+//	hook := sqlbroker.NewRouterHook(broker, sqlbroker.RouterHookConfig{CloseTimeout: 30 * time.Second})
+//	router.AddPlugin(hook.Plugin)
+//	err := router.Run(ctx)
+//	report, shutdownErr := hook.Report()
+//
+// The order: the Router stops the subscriptions (claims not yet handed to a handler are given
+// back at once) and the handlers in work finish, up to CloseTimeout, while their leases are
+// still extended; then the owner shuts down (claim loops and lease extension stop, locks are
+// released, a pool built from a URL closes last). It works by decorating the Router's
+// subscribers that belong to the owner: their Close stops the subscriptions only, and their
+// channels close once the shutdown is done, which is what router.Run waits for.
+type RouterHook struct {
+	owner  Shutdowner
+	config RouterHookConfig
+
+	mu       sync.Mutex
+	active   int       // hooked subscriptions not yet drained
+	deadline time.Time // end of the drain, set when the first subscription stops
+	once     sync.Once
+	done     chan struct{}
+	report   CloseReport
+	err      error
+}
+
+// ErrNotShutDown is returned by RouterHook.Report before the shutdown ran.
+var ErrNotShutDown = errors.New("sqlbroker: the router hook's shutdown has not run")
+
+// NewRouterHook builds a RouterHook that shuts owner down.
+func NewRouterHook(owner Shutdowner, config RouterHookConfig) *RouterHook {
+	if config.CloseTimeout <= 0 {
+		config.CloseTimeout = DefaultCloseTimeout
+	}
+	return &RouterHook{owner: owner, config: config, done: make(chan struct{})}
+}
+
+// Plugin is the message.RouterPlugin: router.AddPlugin(hook.Plugin).
+func (h *RouterHook) Plugin(r *message.Router) error {
+	r.AddSubscriberDecorators(func(sub message.Subscriber) (message.Subscriber, error) {
+		s, ok := sub.(*Subscriber)
+		if !ok || !h.owner.owns(s) {
+			return sub, nil
+		}
+		return &hookedSubscriber{h: h, s: s}, nil
+	})
+	return nil
+}
+
+// Done is closed when the shutdown has finished.
+func (h *RouterHook) Done() <-chan struct{} { return h.done }
+
+// Report returns the shutdown's report and error, or ErrNotShutDown before it ran.
+func (h *RouterHook) Report() (CloseReport, error) {
+	select {
+	case <-h.done:
+		return h.report, h.err
+	default:
+		return CloseReport{}, ErrNotShutDown
+	}
+}
+
+// margin is the part of CloseTimeout the shutdown keeps for itself.
+func (h *RouterHook) margin() time.Duration { return min(h.config.CloseTimeout/10, 2*time.Second) }
+
+// drained is called by a hooked subscription once its channel closed and its handlers are
+// done (or the drain time ran out). The last one runs the shutdown; all wait for it.
+func (h *RouterHook) drained() {
+	h.mu.Lock()
+	h.active--
+	last := h.active == 0
+	h.mu.Unlock()
+	if last {
+		h.once.Do(h.shutdown)
+	}
+	select {
+	case <-h.done:
+	case <-time.After(h.config.CloseTimeout):
+	}
+}
+
+func (h *RouterHook) shutdown() {
+	ctx, cancel := context.WithTimeout(context.Background(), h.margin())
+	defer cancel()
+	h.report, h.err = h.owner.Shutdown(ctx)
+	close(h.done)
+}
+
+// drainDeadline is when handlers stop being waited for: CloseTimeout after the first
+// subscription stopped, less the shutdown's margin.
+func (h *RouterHook) drainDeadline() time.Time {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.deadline.IsZero() {
+		h.deadline = time.Now().Add(h.config.CloseTimeout - h.margin())
+	}
+	return h.deadline
+}
+
+// hookedSubscriber is a Subscriber as the Router sees it under a RouterHook.
+type hookedSubscriber struct {
+	h *RouterHook
+	s *Subscriber
+}
+
+func (hs *hookedSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	sub, err := hs.s.subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	hs.h.mu.Lock()
+	hs.h.active++
+	hs.h.mu.Unlock()
+	out := make(chan *message.Message)
+	go func() {
+		defer close(out)
+		for msg := range sub.out {
+			out <- msg // the Router reads its channel until it is closed
+		}
+		// The subscription stopped. Handlers in work finish while their leases are extended.
+		deadline := hs.h.drainDeadline()
+		t := time.NewTicker(5 * time.Millisecond)
+		defer t.Stop()
+		for sub.inFlight() > 0 && time.Now().Before(deadline) {
+			<-t.C
+		}
+		if n := sub.inFlight(); n > 0 {
+			sub.logger.Info("Handlers still in work after the drain time; shutting down", watermill.LogFields{"in_work": n})
+		}
+		hs.h.drained()
+	}()
+	return out, nil
+}
+
+// Close stops the subscriptions only; the hook shuts the subscriber down once the handlers
+// have drained.
+func (hs *hookedSubscriber) Close() error {
+	hs.s.stopSubscriptions()
+	return nil
+}
