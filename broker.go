@@ -77,6 +77,7 @@ type Broker struct {
 	closed      bool
 	publishers  []*Publisher
 	subscribers []*Subscriber
+	hook        *RouterHook
 	done        chan struct{}
 	report      CloseReport
 	err         error
@@ -209,7 +210,12 @@ func (b *Broker) NewSubscriber(config SubscriberConfig) (*Subscriber, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := b.register(func() { b.subscribers = append(b.subscribers, sub) }); err != nil {
+	if err := b.register(func() {
+		b.subscribers = append(b.subscribers, sub)
+		if b.hook != nil {
+			sub.attach(b.hook)
+		}
+	}); err != nil {
 		return nil, err
 	}
 	return sub, nil

@@ -98,6 +98,7 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		case <-sub.claimDone:
 			rep.ClaimsReleased += int(sub.releasedAtStop.Load())
 			rep.QueriesCancelled += int(sub.queriesCancelled.Load())
+			rep.ConnectionsClosed += int(sub.connsClosed.Load())
 		case <-ctx.Done():
 			err = ctx.Err()
 		}

@@ -3,7 +3,6 @@ package sqlbroker
 import (
 	"context"
 	"errors"
-	"slices"
 	"sync"
 	"time"
 
@@ -15,15 +14,19 @@ import (
 // handed out.
 type Shutdowner interface {
 	Shutdown(ctx context.Context) (CloseReport, error)
-	owns(*Subscriber) bool
+	attach(*RouterHook)
 }
 
-func (s *Subscriber) owns(o *Subscriber) bool { return s == o }
+func (s *Subscriber) attach(h *RouterHook) { s.hook.Store(h) }
 
-func (b *Broker) owns(o *Subscriber) bool {
+// attach hooks the subscribers the broker handed out, and those it will hand out.
+func (b *Broker) attach(h *RouterHook) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return slices.Contains(b.subscribers, o)
+	b.hook = h
+	for _, s := range b.subscribers {
+		s.attach(h)
+	}
 }
 
 // RouterHookConfig configures a RouterHook.
@@ -47,9 +50,9 @@ type RouterHookConfig struct {
 // The order: the Router stops the subscriptions (claims not yet handed to a handler are given
 // back at once) and the handlers in work finish, up to CloseTimeout, while their leases are
 // still extended; then the owner shuts down (claim loops and lease extension stop, locks are
-// released, a pool built from a URL closes last). It works by decorating the Router's
-// subscribers that belong to the owner: their Close stops the subscriptions only, and their
-// channels close once the shutdown is done, which is what router.Run waits for.
+// released, a pool built from a URL closes last). The owner's subscribers' Close then stops
+// their subscriptions only, and their channels close once the shutdown is done, which is
+// what router.Run waits for.
 type RouterHook struct {
 	owner  Shutdowner
 	config RouterHookConfig
@@ -74,15 +77,11 @@ func NewRouterHook(owner Shutdowner, config RouterHookConfig) *RouterHook {
 	return &RouterHook{owner: owner, config: config, done: make(chan struct{})}
 }
 
-// Plugin is the message.RouterPlugin: router.AddPlugin(hook.Plugin).
-func (h *RouterHook) Plugin(r *message.Router) error {
-	r.AddSubscriberDecorators(func(sub message.Subscriber) (message.Subscriber, error) {
-		s, ok := sub.(*Subscriber)
-		if !ok || !h.owner.owns(s) {
-			return sub, nil
-		}
-		return &hookedSubscriber{h: h, s: s}, nil
-	})
+// Plugin is the message.RouterPlugin: router.AddPlugin(hook.Plugin). From then on the
+// owner's subscribers are the Router's: their Close stops the subscriptions only, and the
+// hook shuts the owner down once the handlers have drained.
+func (h *RouterHook) Plugin(*message.Router) error {
+	h.owner.attach(h)
 	return nil
 }
 
@@ -136,20 +135,13 @@ func (h *RouterHook) drainDeadline() time.Time {
 	return h.deadline
 }
 
-// hookedSubscriber is a Subscriber as the Router sees it under a RouterHook.
-type hookedSubscriber struct {
-	h *RouterHook
-	s *Subscriber
-}
-
-func (hs *hookedSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	sub, err := hs.s.subscribe(ctx, topic)
-	if err != nil {
-		return nil, err
-	}
-	hs.h.mu.Lock()
-	hs.h.active++
-	hs.h.mu.Unlock()
+// relay hands the subscription's messages on, and once the subscription stopped and its
+// handlers drained, takes part in the shutdown; its channel closes after the shutdown, which
+// is what router.Run waits for.
+func (h *RouterHook) relay(sub *subscription) <-chan *message.Message {
+	h.mu.Lock()
+	h.active++
+	h.mu.Unlock()
 	out := make(chan *message.Message)
 	go func() {
 		defer close(out)
@@ -157,7 +149,7 @@ func (hs *hookedSubscriber) Subscribe(ctx context.Context, topic string) (<-chan
 			out <- msg // the Router reads its channel until it is closed
 		}
 		// The subscription stopped. Handlers in work finish while their leases are extended.
-		deadline := hs.h.drainDeadline()
+		deadline := h.drainDeadline()
 		t := time.NewTicker(5 * time.Millisecond)
 		defer t.Stop()
 		for sub.inFlight() > 0 && time.Now().Before(deadline) {
@@ -166,14 +158,7 @@ func (hs *hookedSubscriber) Subscribe(ctx context.Context, topic string) (<-chan
 		if n := sub.inFlight(); n > 0 {
 			sub.logger.Info("Handlers still in work after the drain time; shutting down", watermill.LogFields{"in_work": n})
 		}
-		hs.h.drained()
+		h.drained()
 	}()
-	return out, nil
-}
-
-// Close stops the subscriptions only; the hook shuts the subscriber down once the handlers
-// have drained.
-func (hs *hookedSubscriber) Close() error {
-	hs.s.stopSubscriptions()
-	return nil
+	return out
 }

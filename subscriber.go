@@ -46,6 +46,7 @@ type Subscriber struct {
 	err      error
 
 	stats subscriberStats
+	hook  atomic.Pointer[RouterHook] // set when a Router's hook owns the shutdown
 }
 
 var (
@@ -142,6 +143,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if err != nil {
 		return nil, err
 	}
+	if h := s.hook.Load(); h != nil {
+		return h.relay(sub), nil
+	}
 	return sub.out, nil
 }
 
@@ -188,7 +192,14 @@ func (s *Subscriber) stopSubscriptions() {
 
 // Close shuts the subscriber down, bounded by CloseTimeout (see Shutdown). It is idempotent
 // and safe to call concurrently; every call returns the first shutdown's error.
+//
+// Under a RouterHook, Close stops the subscriptions only (as the Router calls it when it
+// begins to close), and the hook runs the shutdown once the handlers have drained.
 func (s *Subscriber) Close() error {
+	if s.hook.Load() != nil && !s.isDone() {
+		s.stopSubscriptions()
+		return nil
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.config.CloseTimeout)
 	defer cancel()
 	_, err := s.Shutdown(ctx)
@@ -234,6 +245,7 @@ type subscription struct {
 
 	releasedAtStop   atomic.Int64 // claims given back when the subscription stopped
 	queriesCancelled atomic.Int64 // claim statements cancelled on the server and awaited (S3)
+	connsClosed      atomic.Int64 // connections a cancel closed (lib/pq closes them)
 
 	settleCh chan settlement
 	awaits   sync.WaitGroup // await goroutines; settleCh closes when they are all done
@@ -390,7 +402,7 @@ const claimTimeout = time.Minute
 // middle of a query makes the driver return at once while the server may still be running it
 // (pgx then closes the socket in the background), so the caller's error is not the server's
 // word. When the subscription stops during a claim, the server is asked to cancel that very
-// statement (pg_cancel_backend of its backend), and the claim returns only once the server
+// statement (a cancel request for its backend), and the claim returns only once the server
 // has ended it and rolled it back (S3).
 func (sub *subscription) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed, int64, error) {
 	token := rand.Int64N(1<<62) + 1
@@ -403,21 +415,19 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed,
 	if err != nil {
 		return nil, 0, err
 	}
-	pid, err := conn.PID(qctx)
-	if err != nil {
-		conn.Destroy()
-		return nil, 0, err
-	}
-	var cancelSent atomic.Bool
+	var cancelSent, connClosed atomic.Bool
 	cancelled := make(chan struct{})
 	stop := context.AfterFunc(sub.ctx, func() {
 		defer close(cancelled)
 		cctx, ccancel := dbx.CleanupContext(sub.ctx)
 		defer ccancel()
-		if _, err := sub.s.db.Exec(cctx, "SELECT pg_cancel_backend($1)", int64(pid)); err != nil {
-			sub.logger.Error("Cancelling the running claim failed", err, watermill.LogFields{"pid": pid})
+		closes, err := conn.Cancel(cctx)
+		if err != nil {
+			sub.logger.Error("Cancelling the running claim failed", err, nil)
+			return
 		}
 		cancelSent.Store(true)
+		connClosed.Store(closes)
 	})
 	claimed, err := sub.store.Claim(qctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, buf)
 	if !stop() {
@@ -427,15 +437,19 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed,
 	case !cancelSent.Load():
 		conn.Release()
 	case err != nil && dbx.SQLState(err) == dbx.CodeQueryCanceled:
-		// The server ended the statement and rolled it back; the connection is sound.
+		// The server ended the statement and rolled it back.
 		sub.queriesCancelled.Add(1)
+		if connClosed.Load() {
+			sub.connsClosed.Add(1)
+		}
 		conn.Release()
 	default:
 		// The claim ended before the cancel arrived: make sure no cancel is left pending for
 		// the connection's next user.
 		pctx, pcancel := dbx.CleanupContext(sub.ctx)
-		if _, perr := conn.Exec(pctx, "SELECT 1"); perr != nil {
+		if _, perr := conn.Exec(pctx, "SELECT 1"); perr != nil || connClosed.Load() {
 			conn.Destroy()
+			sub.connsClosed.Add(1)
 		} else {
 			conn.Release()
 		}

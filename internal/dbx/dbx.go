@@ -43,6 +43,11 @@ type Conn interface {
 	Beginner
 	// PID is the server process id of the connection's backend.
 	PID(ctx context.Context) (uint32, error)
+	// Cancel asks the server to cancel the statement the connection is running now; that
+	// statement then returns the server's own error (SQLSTATE 57014) once the server has ended
+	// it. It reports whether the driver closes the connection after such a cancel (lib/pq
+	// does), so callers can count it.
+	Cancel(ctx context.Context) (closesConn bool, err error)
 	// Release hands a healthy connection back to its pool.
 	Release()
 	// Destroy closes the connection instead of handing it back, so that no session state

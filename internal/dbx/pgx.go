@@ -94,7 +94,13 @@ func (c *pgxPoolConn) Begin(ctx context.Context) (Tx, error) {
 }
 
 func (c *pgxPoolConn) PID(context.Context) (uint32, error) { return c.c.Conn().PgConn().PID(), nil }
-func (c *pgxPoolConn) Release()                            { c.c.Release() }
+
+// Cancel sends a cancel request on a connection of its own (not a backend session): the
+// running statement returns the server's error and the connection stays usable.
+func (c *pgxPoolConn) Cancel(ctx context.Context) (bool, error) {
+	return false, c.c.Conn().PgConn().CancelRequest(ctx)
+}
+func (c *pgxPoolConn) Release() { c.c.Release() }
 
 func (c *pgxPoolConn) Destroy() {
 	// Hijack takes the connection out of the pool's accounting; closing it then really closes it.
@@ -118,7 +124,11 @@ func (c *pgxConn) Begin(ctx context.Context) (Tx, error) {
 }
 
 func (c *pgxConn) PID(context.Context) (uint32, error) { return c.c.PgConn().PID(), nil }
-func (c *pgxConn) Release()                            { c.Destroy() }
+
+func (c *pgxConn) Cancel(ctx context.Context) (bool, error) {
+	return false, c.c.PgConn().CancelRequest(ctx)
+}
+func (c *pgxConn) Release() { c.Destroy() }
 
 func (c *pgxConn) Destroy() {
 	ctx, cancel := CleanupContext(context.Background())

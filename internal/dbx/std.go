@@ -105,6 +105,62 @@ type stdConn struct {
 	stdQ
 	c   *sql.Conn
 	pid uint32
+
+	mu      sync.Mutex
+	running context.CancelFunc // cancels the statement running now
+}
+
+// Exec and Query run under a context of the connection's own, which Cancel cancels: lib/pq
+// then sends the server a cancel request and returns the statement's own error, and marks
+// the connection bad so that database/sql closes it.
+func (c *stdConn) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	ctx, done := c.track(ctx)
+	defer done()
+	return c.stdQ.Exec(ctx, query, args...)
+}
+
+func (c *stdConn) Query(ctx context.Context, query string, args ...any) (Rows, error) {
+	ctx, done := c.track(ctx)
+	rows, err := c.stdQ.Query(ctx, query, args...)
+	if err != nil {
+		done()
+		return nil, err
+	}
+	return trackedRows{Rows: rows, done: done}, nil
+}
+
+func (c *stdConn) track(ctx context.Context) (context.Context, func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	c.mu.Lock()
+	c.running = cancel
+	c.mu.Unlock()
+	return ctx, func() {
+		c.mu.Lock()
+		c.running = nil
+		c.mu.Unlock()
+		cancel()
+	}
+}
+
+type trackedRows struct {
+	Rows
+	done func()
+}
+
+func (r trackedRows) Close() {
+	r.Rows.Close()
+	r.done()
+}
+
+func (c *stdConn) Cancel(context.Context) (bool, error) {
+	c.mu.Lock()
+	cancel := c.running
+	c.mu.Unlock()
+	if cancel == nil {
+		return false, nil
+	}
+	cancel()
+	return true, nil
 }
 
 func (c *stdConn) Begin(ctx context.Context) (Tx, error) {

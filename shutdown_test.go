@@ -1,0 +1,345 @@
+package sqlbroker_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+)
+
+// brokerURL is the test database's URL with an application_name of the test's own, so that
+// the broker's backends can be counted in pg_stat_activity.
+func brokerURL(t *testing.T, scheme string) (string, string) {
+	app := "sqlbroker_" + strings.ToLower(watermill.NewShortUUID())
+	u := testdb.URL()
+	sep := "?"
+	if strings.Contains(u, "?") {
+		sep = "&"
+	}
+	u = strings.Replace(u, "postgres://", scheme+"://", 1) + sep + "application_name=" + app
+	return u, app
+}
+
+func backends(t *testing.T, app string) int {
+	return queryInt(t, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app)
+}
+
+// A claim blocked on the server when its subscription stops is cancelled there, and Shutdown
+// returns only once the server has ended it: no backend of the library is left running it,
+// and none holds a lock on the topic's tables (S3).
+func TestShutdown_S3_cancelledClaimRollsBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	publish(t, pub, topic, "x")
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 10 * time.Millisecond})
+	require.NoError(t, sub.SubscribeInitialize(topic))
+
+	// Hold the group's row: the next claim waits on it.
+	seed := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g"})
+	seedMsgs, err := seed.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	receive(t, seedMsgs, 10*time.Second).Ack()
+	require.NoError(t, seed.Close())
+	tx, err := testdb.Pgx(t).Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, "SELECT 1 FROM "+tables(topic).Groups+" WHERE consumer_group = 'g' FOR UPDATE")
+	require.NoError(t, err)
+
+	_, err = sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	waiting := func() int {
+		return queryInt(t, `SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'`, tables(topic).ClaimsName)
+	}
+	testdb.Eventually(t, 10*time.Second, "a claim waiting on the group's row", func() bool { return waiting() == 1 })
+
+	rep, err := sub.Shutdown(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, 1, rep.QueriesCancelled)
+	assert.Equal(t, 0, queryInt(t, `SELECT count(*) FROM pg_stat_activity WHERE state <> 'idle' AND query LIKE '%' || $1 || '%' AND pid <> pg_backend_pid()`, tables(topic).ClaimsName),
+		"a backend still runs the claim after Shutdown returned")
+	var txPID int
+	require.NoError(t, tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&txPID))
+	assert.Equal(t, 0, queryInt(t, `SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+		WHERE c.relname IN ($1, $2, $3) AND l.pid <> $4 AND l.pid <> pg_backend_pid()`,
+		tables(topic).MessagesName, tables(topic).GroupsName, tables(topic).ClaimsName, txPID), "a lock on the topic's tables is left")
+}
+
+// Lease mode: a delivery still in work at shutdown keeps its lease. One that acks before the
+// lease runs out is applied; one that never acks returns to the queue after the lease, for a
+// new subscriber (S4).
+func TestShutdown_S4_leaseModeDeliveriesKeepTheirLeases(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	sent := publish(t, pub, topic, "acked late", "never acked")
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: 2 * time.Second, LeaseRenewInterval: 200 * time.Millisecond})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	got := map[string]*message.Message{}
+	for range 2 {
+		m := receive(t, msgs, 10*time.Second)
+		got[string(m.Payload)] = m
+	}
+	rep, err := sub.Shutdown(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, 2, rep.DeliveriesInWork)
+	assert.Equal(t, 2, rep.LeasesLeft)
+
+	got["acked late"].Ack()
+	testdb.Eventually(t, 5*time.Second, "the late ack to apply", func() bool {
+		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE \"offset\" = (SELECT \"offset\" FROM "+tables(topic).Messages+" WHERE uuid = $1)", sent[0].UUID) == 0
+	})
+
+	next := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
+	again, err := next.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := receive(t, again, 10*time.Second)
+	assert.Equal(t, sent[1].UUID, m.UUID)
+	assert.Equal(t, "2", m.Metadata.Get(sqlbroker.MetadataAttempt))
+	m.Ack()
+	noMessage(t, again, 300*time.Millisecond) // the late-acked message does not come back
+}
+
+// A pool built from a URL closes last: new statements fail after Shutdown, a lease-mode
+// settlement that needs a connection then fails and its message returns after the lease,
+// and ConnectionsClosed is the drop in the broker's backends. The caller's own pool stays
+// open (S6, S7).
+func TestShutdown_S6_S7_builtPoolClosesLastCallersPoolStaysOpen(t *testing.T) {
+	t.Parallel()
+	for _, scheme := range []string{"postgres", "libpq+postgres"} {
+		t.Run(scheme, func(t *testing.T) {
+			ctx := context.Background()
+			topic := testdb.Topic(t, "")
+			url, app := brokerURL(t, scheme)
+			broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
+			require.NoError(t, err)
+			defer broker.Close()
+			assert.Equal(t, 0, backends(t, app), "Open connected")
+
+			require.NoError(t, broker.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic))
+			pub, err := broker.NewPublisher(sqlbroker.PublisherConfig{})
+			require.NoError(t, err)
+			publish(t, pub, topic, "x")
+			// One message in flight: once it is handed out, only lease extension uses the pool,
+			// so the number of its connections holds still while it is measured.
+			sub, err := broker.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 1, LeaseTTL: time.Second, LeaseRenewInterval: 200 * time.Millisecond})
+			require.NoError(t, err)
+			msgs, err := sub.Subscribe(ctx, topic)
+			require.NoError(t, err)
+			m := receive(t, msgs, 10*time.Second)
+
+			before := backends(t, app)
+			require.Positive(t, before)
+			rep, err := broker.Shutdown(ctx)
+			require.NoError(t, err)
+			testdb.Eventually(t, 5*time.Second, "the broker's backends to end", func() bool { return backends(t, app) == 0 })
+			assert.Equal(t, before, rep.ConnectionsClosed)
+
+			err = pub.Publish(topic, message.NewMessage(watermill.NewUUID(), nil))
+			assert.ErrorIs(t, err, sqlbroker.ErrClosed)
+			_, err = broker.NewSubscriber(sqlbroker.SubscriberConfig{})
+			assert.ErrorIs(t, err, sqlbroker.ErrClosed)
+
+			m.Ack() // needs a connection of the closed pool: fails, the row returns after its lease
+			testdb.Eventually(t, 10*time.Second, "the settlement to fail", func() bool { return sub.Stats().Errors > 0 })
+			assert.Equal(t, int64(0), sub.Stats().Acked)
+
+			// The caller's pool is the caller's: still open.
+			var one int
+			require.NoError(t, testdb.Pgx(t).QueryRow(ctx, "SELECT 1").Scan(&one))
+			other := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
+			again, err := other.Subscribe(ctx, topic)
+			require.NoError(t, err)
+			m2 := receive(t, again, 10*time.Second)
+			assert.Equal(t, m.UUID, m2.UUID)
+			m2.Ack()
+		})
+	}
+}
+
+// Publishers taken before Shutdown refuse every publish after it with ErrClosed, and no row is
+// written after Shutdown returns: every Publish that returned nil has its row (S8), including
+// a publisher bound to a caller's transaction.
+func TestShutdown_S8_publishersRefuseAfterShutdown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	url, _ := brokerURL(t, "postgres")
+	broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{MaxConns: 20}, nil)
+	require.NoError(t, err)
+	require.NoError(t, broker.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic))
+	pub, err := broker.NewPublisher(sqlbroker.PublisherConfig{})
+	require.NoError(t, err)
+
+	var mu sync.Mutex
+	var ok []string
+	var closedErrs, otherErrs int
+	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+				err := pub.Publish(topic, msg)
+				mu.Lock()
+				switch {
+				case err == nil:
+					ok = append(ok, msg.UUID)
+				case errors.Is(err, sqlbroker.ErrClosed):
+					closedErrs++
+				default:
+					otherErrs++
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	testdb.Eventually(t, 10*time.Second, "publishes to flow", func() bool { mu.Lock(); defer mu.Unlock(); return len(ok) > 200 })
+	_, err = broker.Shutdown(ctx)
+	require.NoError(t, err)
+	rows := countMessages(t, topic)
+	mu.Lock()
+	okAtShutdown := len(ok)
+	mu.Unlock()
+	testdb.Eventually(t, 10*time.Second, "publishes to be refused", func() bool { mu.Lock(); defer mu.Unlock(); return closedErrs >= 16 })
+	close(stop)
+	wg.Wait()
+
+	assert.Equal(t, okAtShutdown, len(ok), "a Publish returned nil after Shutdown returned")
+	assert.Equal(t, len(ok), rows, "rows and successful publishes differ")
+	assert.Equal(t, 0, otherErrs)
+	assert.Equal(t, rows, countMessages(t, topic), "a row was written after Shutdown returned")
+	var missing int
+	for _, id := range ok {
+		if queryInt(t, "SELECT count(*) FROM "+tables(topic).Messages+" WHERE uuid = $1", id) != 1 {
+			missing++
+		}
+	}
+	assert.Zero(t, missing)
+
+	// A publisher bound to a caller's transaction, taken before the shutdown, refuses too.
+	broker2, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
+	require.NoError(t, err)
+	tx, err := testdb.Pgx(t).Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	txPub, err := broker2.NewTxPublisher(sqlbroker.PgxTx(tx), sqlbroker.PublisherConfig{})
+	require.NoError(t, err)
+	require.NoError(t, broker2.Close())
+	assert.ErrorIs(t, txPub.Publish(topic, message.NewMessage(watermill.NewUUID(), nil)), sqlbroker.ErrClosed)
+}
+
+// With the hook, router.Run returns after the handlers drained and the library shut down,
+// whether the Router was closed or its context cancelled; the report is there to read and no
+// connection of the library is left (S10).
+func TestShutdown_S10_routerHook(t *testing.T) {
+	t.Parallel()
+	for _, stopBy := range []string{"close", "cancel"} {
+		t.Run(stopBy, func(t *testing.T) {
+			ctx := context.Background()
+			topic := testdb.Topic(t, "")
+			url, app := brokerURL(t, "postgres")
+			broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
+			require.NoError(t, err)
+			require.NoError(t, broker.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic))
+			pub, err := broker.NewPublisher(sqlbroker.PublisherConfig{})
+			require.NoError(t, err)
+			sub, err := broker.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: "g"})
+			require.NoError(t, err)
+			for i := range 20 {
+				publish(t, pub, topic, fmt.Sprint(i))
+			}
+
+			router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+			require.NoError(t, err)
+			hook := sqlbroker.NewRouterHook(broker, sqlbroker.RouterHookConfig{CloseTimeout: 5 * time.Second})
+			router.AddPlugin(hook.Plugin)
+			started := make(chan struct{}, 20)
+			release := make(chan struct{})
+			var handled sync.WaitGroup
+			router.AddNoPublisherHandler("slow", topic, sub, func(msg *message.Message) error {
+				handled.Add(1)
+				defer handled.Done()
+				started <- struct{}{}
+				<-release
+				// Still in work after the Router began to close: the lease is still being
+				// extended, so the ack applies.
+				return nil
+			})
+			runCtx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			runErr := make(chan error, 1)
+			go func() { runErr <- router.Run(runCtx) }()
+			<-started
+
+			closed := make(chan error, 1)
+			if stopBy == "close" {
+				go func() { closed <- router.Close() }()
+			} else {
+				cancel()
+				closed <- nil
+			}
+			_, err = hook.Report()
+			assert.ErrorIs(t, err, sqlbroker.ErrNotShutDown, "shut down before the handlers drained")
+			time.Sleep(100 * time.Millisecond) // the handlers are still in work meanwhile
+			close(release)
+			require.NoError(t, <-runErr)
+			require.NoError(t, <-closed)
+
+			rep, err := hook.Report()
+			require.NoError(t, err)
+			assert.Equal(t, 0, rep.DeliveriesInWork, "Run returned before the handlers drained")
+			assert.Equal(t, 1, rep.Subscriptions)
+			assert.Positive(t, rep.ConnectionsClosed)
+			// The library has closed its connections; the server ends their backends a moment later.
+			testdb.Eventually(t, 5*time.Second, "no backend of the library left", func() bool { return backends(t, app) == 0 })
+			assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) WHERE a.application_name = $1", app))
+			assert.ErrorIs(t, pub.Publish(topic, message.NewMessage(watermill.NewUUID(), nil)), sqlbroker.ErrClosed)
+			// What the handlers acked is settled; what was claimed and not handed out was given back.
+			assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token <> 0"))
+		})
+	}
+}
+
+// Open checks the URL and never shows its password.
+func TestOpen_badURLs(t *testing.T) {
+	t.Parallel()
+	for _, u := range []string{"", "not a url", "mysql://u:secret@h/db", "postgres://u:secret@/db", "postgres://u:secret@h:port/db"} {
+		_, err := sqlbroker.Open(u, sqlbroker.BrokerConfig{}, nil)
+		require.Error(t, err, u)
+		assert.NotContains(t, err.Error(), "secret", u)
+	}
+	// A server that is not there fails fast on first use, naming the host.
+	b, err := sqlbroker.Open("postgres://u:secret@127.0.0.1:1/db", sqlbroker.BrokerConfig{ConnectTimeout: time.Second}, nil)
+	require.NoError(t, err)
+	defer b.Close()
+	assert.NotContains(t, b.String(), "secret")
+	start := time.Now()
+	err = b.InitializeSchema(context.Background(), sqlbroker.PublisherConfig{}, "t")
+	require.Error(t, err)
+	assert.Less(t, time.Since(start), 10*time.Second)
+	assert.Contains(t, err.Error(), "127.0.0.1")
+	assert.NotContains(t, err.Error(), "secret")
+}
