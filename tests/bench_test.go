@@ -3,7 +3,9 @@ package tests
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -80,5 +82,65 @@ func BenchmarkConsume(b *testing.B) {
 			}
 			b.StopTimer()
 		})
+	}
+}
+
+// BenchmarkShutdownUnderLoad measures how long a Router with the hook takes to stop with
+// 10,000 messages queued and 64 handlers in work (each takes 50 ms): from router.Close to
+// router.Run returning, which includes the drain, the shutdown and closing the pool the
+// broker built. Reported as close-ms; the Router's CloseTimeout is 5 s.
+func BenchmarkShutdownUnderLoad(b *testing.B) {
+	for range b.N {
+		b.StopTimer()
+		topic := testdb.Topic(b, "")
+		broker, err := sqlbroker.Open(testdb.URL(), sqlbroker.BrokerConfig{}, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		ctx := context.Background()
+		if err := broker.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic); err != nil {
+			b.Fatal(err)
+		}
+		pub, _ := broker.NewPublisher(sqlbroker.PublisherConfig{})
+		for range 10 {
+			if err := pub.Publish(topic, benchMessages(1000)...); err != nil {
+				b.Fatal(err)
+			}
+		}
+		sub, _ := broker.NewSubscriber(sqlbroker.SubscriberConfig{MaxInFlight: 64})
+		const closeTimeout = 5 * time.Second
+		router, _ := message.NewRouter(message.RouterConfig{CloseTimeout: closeTimeout}, watermill.NopLogger{})
+		hook := sqlbroker.NewRouterHook(broker, sqlbroker.RouterHookConfig{CloseTimeout: closeTimeout})
+		router.AddPlugin(hook.Plugin)
+		var running atomic.Int64
+		router.AddNoPublisherHandler("work", topic, sub, func(msg *message.Message) error {
+			running.Add(1)
+			defer running.Add(-1)
+			time.Sleep(50 * time.Millisecond)
+			return nil
+		})
+		done := make(chan error, 1)
+		go func() { done <- router.Run(ctx) }()
+		deadline := time.Now().Add(30 * time.Second)
+		for running.Load() < 64 && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		b.StartTimer()
+		start := time.Now()
+		if err := router.Close(); err != nil {
+			b.Fatal(err)
+		}
+		if err := <-done; err != nil {
+			b.Fatal(err)
+		}
+		elapsed := time.Since(start)
+		b.StopTimer()
+		rep, err := hook.Report()
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(float64(elapsed.Milliseconds()), "close-ms")
+		b.ReportMetric(float64(rep.ClaimsReleased), "claims-released")
+		b.ReportMetric(float64(rep.DeliveriesInWork), "left-in-work")
 	}
 }

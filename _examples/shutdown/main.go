@@ -1,0 +1,100 @@
+// Command shutdown is the "exports" service: a Watermill Router consuming export requests
+// from PostgreSQL through a broker built from a URL, with handlers that take some time. On
+// SIGINT or SIGTERM (or after -run-for) it stops taking messages, lets the handlers in work
+// finish, shuts the library down, closes the pool the library built, and prints the
+// CloseReport.
+//
+//	go run ./_examples/shutdown -url postgres://postgres@127.0.0.1:5432/test?sslmode=disable
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+)
+
+const topic = "exports"
+
+func main() {
+	url := flag.String("url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL (libpq+postgres:// for lib/pq)")
+	publish := flag.Int("publish", 20, "export requests to publish at start-up")
+	work := flag.Duration("work", 200*time.Millisecond, "how long one export takes")
+	runFor := flag.Duration("run-for", 0, "stop after this long (0: run until SIGINT or SIGTERM)")
+	flag.Parse()
+	if err := run(*url, *publish, *work, *runFor); err != nil {
+		log.Fatal(err)
+	}
+}
+
+func run(url string, publish int, work, runFor time.Duration) error {
+	logger := watermill.NewStdLogger(false, false)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if runFor > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, runFor)
+		defer cancel()
+	}
+
+	// Nothing connects here: the broker builds its pool on first use, and closes it when the
+	// service stops, after the handlers have drained.
+	broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, logger)
+	if err != nil {
+		return err
+	}
+
+	// The table, created at start-up, before the subscription checks it.
+	if err := broker.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic); err != nil {
+		return err
+	}
+	sub, err := broker.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: "exporter", MaxInFlight: 16})
+	if err != nil {
+		return err
+	}
+	pub, err := broker.NewPublisher(sqlbroker.PublisherConfig{})
+	if err != nil {
+		return err
+	}
+	for i := range publish {
+		msg := message.NewMessage(watermill.NewUUID(), fmt.Appendf(nil, `{"export":%d}`, i+1))
+		if err := pub.Publish(topic, msg); err != nil {
+			return err
+		}
+	}
+
+	const closeTimeout = 10 * time.Second
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: closeTimeout}, logger)
+	if err != nil {
+		return err
+	}
+	hook := sqlbroker.NewRouterHook(broker, sqlbroker.RouterHookConfig{CloseTimeout: closeTimeout})
+	router.AddPlugin(hook.Plugin)
+	router.AddNoPublisherHandler("export", topic, sub, func(msg *message.Message) error {
+		select {
+		case <-time.After(work): // the export itself
+			fmt.Printf("exported %s\n", msg.Payload)
+			return nil
+		case <-msg.Context().Done():
+			return context.Cause(msg.Context())
+		}
+	})
+
+	// Run returns once the handlers have drained and the broker has shut down and closed the
+	// pool it built.
+	if err := router.Run(ctx); err != nil {
+		return err
+	}
+	report, err := hook.Report()
+	fmt.Printf("shut down: %+v\n", report)
+	return err
+}
