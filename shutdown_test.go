@@ -53,6 +53,7 @@ func TestShutdown_S3_cancelledClaimRollsBack(t *testing.T) {
 	require.NoError(t, err)
 	receive(t, seedMsgs, 10*time.Second).Ack()
 	require.NoError(t, seed.Close())
+	publish(t, pub, topic, "y") // waiting, and committed before the lock below is taken
 	tx, err := testdb.Pgx(t).Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()

@@ -50,8 +50,9 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	//  - due: claims of the group that are due again (their lease ran out, or they were nacked
 	//    or released and their backoff passed), taken with a new token, so the old holder's
 	//    token no longer matches (L3); SKIP LOCKED leaves those another claimer is taking;
-	//  - if that left room: lock the group row (serialises the group's claimers for a few
-	//    milliseconds), read the next messages after its position that were written by
+	//  - if that left room and a message is waiting: lock the group row (serialises the
+	//    group's claimers for a few milliseconds; an empty poll locks nothing, so it writes
+	//    nothing and takes no transaction id), read the next messages after its position that were written by
 	//    transactions older than every running one (M2), claim them and advance the position.
 	//    The position is read through scalar subqueries so that it reaches the index scan of
 	//    (xid, offset) as a bound: joined as a row, the planner would scan from the start of
@@ -67,8 +68,12 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	FROM due WHERE c."group_id" = $1 AND c."offset" = due."offset"
 	RETURNING c."offset", c."attempts"
 ), g AS (
-	SELECT "last_xid", "last_offset" FROM %[1]s
-	WHERE "group_id" = $1 AND (SELECT count(*) FROM due) < $4
+	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
+	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4
+	  AND EXISTS (
+		SELECT 1 FROM %[2]s nx
+		WHERE (nx."xid", nx."offset") > (gr."last_xid", gr."last_offset")
+		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot()))
 	FOR UPDATE
 ), m AS (
 	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata"
