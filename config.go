@@ -44,6 +44,7 @@ const (
 	DefaultRetryInterval      = time.Second
 	DefaultCloseTimeout       = 30 * time.Second
 	DefaultMaxPayloadBytes    = 64 << 20
+	DefaultNotifyDebounce     = 5 * time.Millisecond
 	maxTablePrefixLength      = 24
 	maxSchemaNameLength       = ident.MaxIdentifierLength
 	minLeaseTTL               = 100 * time.Millisecond
@@ -63,6 +64,16 @@ type PublisherConfig struct {
 
 	// MaxPayloadBytes refuses messages with a larger payload. Defaults to DefaultMaxPayloadBytes.
 	MaxPayloadBytes int
+
+	// NotifyDebounce is the shortest time between two NOTIFYs of one topic from this
+	// publisher: NOTIFY wakes subscribers in other processes at once, but takes a lock shared
+	// by the whole cluster when its transaction commits. A publish inside the debounce time
+	// is followed by one NOTIFY at its end. Defaults to DefaultNotifyDebounce.
+	NotifyDebounce time.Duration
+
+	// DisableNotify turns NOTIFY off: subscribers in other processes find new messages at
+	// their next poll. Defaults to false.
+	DisableNotify bool
 }
 
 func (c *PublisherConfig) setDefaults() {
@@ -71,6 +82,9 @@ func (c *PublisherConfig) setDefaults() {
 	}
 	if c.MaxPayloadBytes == 0 {
 		c.MaxPayloadBytes = DefaultMaxPayloadBytes
+	}
+	if c.NotifyDebounce == 0 {
+		c.NotifyDebounce = DefaultNotifyDebounce
 	}
 }
 
@@ -83,6 +97,9 @@ func (c *PublisherConfig) validate() error {
 	}
 	if c.MaxPayloadBytes < 0 {
 		return &ConfigError{Field: "MaxPayloadBytes", Value: c.MaxPayloadBytes, Reason: "must not be negative"}
+	}
+	if c.NotifyDebounce < 0 {
+		return &ConfigError{Field: "NotifyDebounce", Value: c.NotifyDebounce, Reason: "must not be negative"}
 	}
 	return nil
 }

@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"time"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/wake"
 	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
@@ -26,6 +28,11 @@ type Publisher struct {
 	mu       sync.Mutex
 	closed   bool
 	inFlight sync.WaitGroup
+
+	// NOTIFY debouncing, per messages table.
+	notifyMu     sync.Mutex
+	lastNotify   map[string]time.Time
+	notifyTimers map[string]*time.Timer
 }
 
 var _ message.Publisher = (*Publisher)(nil)
@@ -47,6 +54,9 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 		config: config,
 		logger: logger,
 		topics: newTopics(config.Schema, config.TablePrefix, false),
+
+		lastNotify:   map[string]time.Time{},
+		notifyTimers: map[string]*time.Timer{},
 	}, nil
 }
 
@@ -83,10 +93,11 @@ func (p *Publisher) Publish(topic string, messages ...*message.Message) error {
 	if err != nil {
 		return fmt.Errorf("sqlbroker: publish to %q: %w", topic, err)
 	}
+	channel := p.notifyInline(store.T.Messages)
 	if p.db.pool != nil && len(rows) > offsets.MaxRowsPerStatement() {
-		err = dbx.InTx(ctx, p.db.pool, func(tx dbx.Tx) error { return store.Insert(ctx, tx, rows) })
+		err = dbx.InTx(ctx, p.db.pool, func(tx dbx.Tx) error { return store.Insert(ctx, tx, rows, channel) })
 	} else {
-		err = store.Insert(ctx, q, rows)
+		err = store.Insert(ctx, q, rows, channel)
 	}
 	if err != nil {
 		if dbx.SQLState(err) == dbx.CodeUndefinedTable {
@@ -97,9 +108,59 @@ func (p *Publisher) Publish(topic string, messages ...*message.Message) error {
 	}
 	if p.db.tx == nil {
 		wake.Notify(store.T.Messages)
+		if channel == "" {
+			p.notifyLater(store.T.Messages)
+		}
 	}
 	p.logger.Trace("Published messages", watermill.LogFields{"topic": topic, "count": len(rows)})
 	return nil
+}
+
+// notifyInline returns the NOTIFY channel when this publish should wake the topic's
+// subscribers in other processes from its own statement, or "" when a NOTIFY of the table went
+// out less than NotifyDebounce ago: NOTIFY takes a lock shared by the whole cluster at commit,
+// so a busy topic notifies at most once per NotifyDebounce (notifyLater sends the trailing
+// one). Inside a caller's transaction it always notifies: the commit is the caller's.
+func (p *Publisher) notifyInline(table string) string {
+	if p.config.DisableNotify {
+		return ""
+	}
+	if p.db.tx != nil {
+		return listen.Channel
+	}
+	p.notifyMu.Lock()
+	defer p.notifyMu.Unlock()
+	now := time.Now()
+	if now.Sub(p.lastNotify[table]) < p.config.NotifyDebounce {
+		return ""
+	}
+	p.lastNotify[table] = now
+	return listen.Channel
+}
+
+// notifyLater makes sure a NOTIFY of table follows a publish that did not send one, at most
+// NotifyDebounce after the last one.
+func (p *Publisher) notifyLater(table string) {
+	if p.config.DisableNotify {
+		return
+	}
+	p.notifyMu.Lock()
+	defer p.notifyMu.Unlock()
+	if p.notifyTimers[table] != nil {
+		return
+	}
+	wait := max(p.config.NotifyDebounce-time.Since(p.lastNotify[table]), 0)
+	p.notifyTimers[table] = time.AfterFunc(wait, func() {
+		p.notifyMu.Lock()
+		delete(p.notifyTimers, table)
+		p.lastNotify[table] = time.Now()
+		p.notifyMu.Unlock()
+		ctx, cancel := dbx.CleanupContext(context.Background())
+		defer cancel()
+		if _, err := p.db.pool.Exec(ctx, "SELECT pg_notify($1, $2)", listen.Channel, table); err != nil {
+			p.logger.Debug("NOTIFY failed; subscribers will poll", watermill.LogFields{"err": err})
+		}
+	})
 }
 
 // rows validates messages and turns them into rows, before anything reaches the database.
@@ -188,6 +249,12 @@ func (p *Publisher) shutdown(ctx context.Context) error {
 	p.mu.Lock()
 	p.closed = true
 	p.mu.Unlock()
+	p.notifyMu.Lock()
+	for table, t := range p.notifyTimers {
+		t.Stop()
+		delete(p.notifyTimers, table)
+	}
+	p.notifyMu.Unlock()
 	done := make(chan struct{})
 	go func() {
 		p.inFlight.Wait()

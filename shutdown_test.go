@@ -138,7 +138,7 @@ func TestShutdown_S6_S7_builtPoolClosesLastCallersPoolStaysOpen(t *testing.T) {
 			publish(t, pub, topic, "x")
 			// One message in flight: once it is handed out, only lease extension uses the pool,
 			// so the number of its connections holds still while it is measured.
-			sub, err := broker.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 1, LeaseTTL: time.Second, LeaseRenewInterval: 200 * time.Millisecond})
+			sub, err := broker.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 1, LeaseTTL: 3 * time.Second, LeaseRenewInterval: 200 * time.Millisecond})
 			require.NoError(t, err)
 			msgs, err := sub.Subscribe(ctx, topic)
 			require.NoError(t, err)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/wake"
 	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
@@ -171,6 +172,7 @@ func (s *Subscriber) subscribe(ctx context.Context, topic string) (*subscription
 		s.mu.Unlock()
 		sub.cancel(ErrClosed)
 		sub.unreg()
+		sub.unlisten()
 		return nil, ErrClosed
 	}
 	s.subs[sub] = struct{}{}
@@ -235,10 +237,11 @@ type subscription struct {
 	cancel context.CancelCauseFunc
 	msgCtx context.Context // parent of message contexts: Subscribe's values, not its cancel
 
-	out   chan *message.Message
-	slots chan struct{} // one token a message in flight
-	woken <-chan struct{}
-	unreg func()
+	out      chan *message.Message
+	slots    chan struct{} // one token a message in flight
+	woken    <-chan struct{}
+	unreg    func()
+	unlisten func() bool // releases the process's LISTEN connection; true if that closed it
 
 	mu     sync.Mutex
 	inWork map[int64]*delivery // claimed and not yet settled or given up
@@ -291,6 +294,7 @@ func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, g
 		stopExt:   make(chan struct{}),
 	}
 	sub.woken, sub.unreg = wake.Register(store.T.Messages)
+	sub.unlisten = listen.Acquire(s.db, s.logger)
 	return sub
 }
 
@@ -321,31 +325,45 @@ func (sub *subscription) fields(offset int64) watermill.LogFields {
 	return watermill.LogFields{"offset": offset}
 }
 
-// wait sleeps for d, or until a publisher of this process wakes the topic, or ctx ends.
-func (sub *subscription) wait(d time.Duration, wakeable bool) bool {
+// wait sleeps for d, or until the topic is woken (a publisher of this process, or a NOTIFY
+// through the LISTEN connection), or ctx ends. It reports whether to go on, and whether it
+// was woken.
+func (sub *subscription) wait(d time.Duration, wakeable bool) (goOn, woken bool) {
 	t := time.NewTimer(d)
 	defer t.Stop()
-	var woken <-chan struct{}
+	var wakeCh <-chan struct{}
 	if wakeable {
-		woken = sub.woken
+		wakeCh = sub.woken
 	}
 	select {
 	case <-t.C:
-		return true
-	case <-woken:
-		return true
+		return true, false
+	case <-wakeCh:
+		return true, true
 	case <-sub.ctx.Done():
-		return false
+		return false, false
 	}
 }
+
+// firstRetryAfterWake is the first pause after a wake-up that found nothing: the message that
+// woke the subscription may still be held back by the xmin horizon (an older transaction
+// elsewhere in the cluster is still running), so it is looked for again soon, at doubling
+// intervals up to PollInterval.
+const firstRetryAfterWake = 5 * time.Millisecond
 
 // claimLoop claims messages while there is room in flight, and hands them out one by one.
 func (sub *subscription) claimLoop() {
 	defer sub.wg.Done()
 	defer close(sub.claimDone)
 	defer close(sub.out)
+	defer func() {
+		if sub.unlisten() {
+			sub.connsClosed.Add(1)
+		}
+	}()
 
 	buf := make([]offsets.Claimed, 0, sub.cfg.BatchSize)
+	idle := sub.cfg.PollInterval // the next pause when a claim finds nothing
 	for {
 		// Room for at least one message, then as many as are free, up to BatchSize.
 		select {
@@ -374,17 +392,24 @@ func (sub *subscription) claimLoop() {
 			}
 			sub.s.stats.errors.Add(1)
 			sub.logger.Error("Claim failed, retrying", err, watermill.LogFields{"retry_in": sub.cfg.RetryInterval})
-			if !sub.wait(sub.cfg.RetryInterval, false) {
+			if goOn, _ := sub.wait(sub.cfg.RetryInterval, false); !goOn {
 				return
 			}
 			continue
 		}
 		if len(claimed) == 0 {
-			if !sub.wait(sub.cfg.PollInterval, true) {
+			goOn, woken := sub.wait(idle, true)
+			if !goOn {
 				return
+			}
+			if woken {
+				idle = firstRetryAfterWake
+			} else {
+				idle = min(idle*2, sub.cfg.PollInterval)
 			}
 			continue
 		}
+		idle = sub.cfg.PollInterval
 		sub.s.stats.claimed.Add(int64(len(claimed)))
 		if !sub.handOut(claimed, token) {
 			return

@@ -272,10 +272,15 @@ type Row struct {
 // maxRowsPerInsert keeps one INSERT under PostgreSQL's 65535 bind parameters.
 const maxRowsPerInsert = 10000
 
-// InsertSQL builds the multi-row INSERT for n rows.
-func (s *Store) InsertSQL(n int) string {
+// InsertSQL builds the multi-row INSERT for n rows. With notify, the same statement also sends
+// NOTIFY on channel with the messages table's name as payload (delivered when the
+// transaction commits).
+func (s *Store) InsertSQL(n int, channel string) string {
 	var b strings.Builder
-	b.Grow(len(s.insertPrefix) + n*24)
+	b.Grow(len(s.insertPrefix) + n*24 + 160)
+	if channel != "" {
+		b.WriteString("WITH ins AS (")
+	}
 	b.WriteString(s.insertPrefix)
 	for i := range n {
 		if i > 0 {
@@ -290,12 +295,21 @@ func (s *Store) InsertSQL(n int) string {
 		b.WriteString(strconv.Itoa(p + 3))
 		b.WriteString("::jsonb)")
 	}
+	if channel != "" {
+		fmt.Fprintf(&b, ` RETURNING 1) SELECT pg_notify(%s, %s) FROM (SELECT 1 FROM ins LIMIT 1) x`,
+			quoteLiteral(channel), quoteLiteral(s.T.Messages))
+	}
 	return b.String()
 }
 
-// Insert writes rows in statements of at most maxRowsPerInsert rows each. Callers that need
-// all-or-none for more rows than that run it inside a transaction.
-func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row) error {
+// quoteLiteral quotes s as an SQL string literal (s holds no backslash: it is a channel or a
+// table name built from validated parts).
+func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+
+// Insert writes rows in statements of at most maxRowsPerInsert rows each, the last of which
+// also notifies channel when it is not "". Callers that need all-or-none for more rows than
+// one statement holds run it inside a transaction.
+func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row, channel string) error {
 	for len(rows) > 0 {
 		n := min(len(rows), maxRowsPerInsert)
 		args := make([]any, 0, n*3)
@@ -306,7 +320,11 @@ func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row) error {
 			}
 			args = append(args, r.UUID, payload, r.Metadata)
 		}
-		if _, err := q.Exec(ctx, s.InsertSQL(n), args...); err != nil {
+		ch := ""
+		if n == len(rows) {
+			ch = channel
+		}
+		if _, err := q.Exec(ctx, s.InsertSQL(n, ch), args...); err != nil {
 			return err
 		}
 		rows = rows[n:]

@@ -72,6 +72,14 @@ type Pool interface {
 	Driver() string
 }
 
+// Listenable is a pool that can keep a LISTEN connection (pgx; database/sql cannot receive
+// notifications through its pool).
+type Listenable interface {
+	// ListenKey identifies the underlying pool, so that wrappers of one pool share a listener.
+	ListenKey() any
+	Listen(ctx context.Context, channel string, onConnect func(), onNotify func(payload string)) error
+}
+
 // ErrNoRows is returned by QueryRow-style helpers when the statement returned no row.
 var ErrNoRows = errors.New("dbx: no rows in result set")
 

@@ -137,3 +137,32 @@ func (c *pgxConn) Destroy() {
 }
 
 func (p *PgxPool) OpenConns() int { return int(p.Pool.Stat().TotalConns()) }
+
+func (p *PgxPool) ListenKey() any { return p.Pool }
+
+// Listen runs LISTEN channel on a connection of its own and calls onNotify with the payload
+// of every notification until ctx ends or the connection fails. onConnect runs once the
+// LISTEN is in place.
+func (p *PgxPool) Listen(ctx context.Context, channel string, onConnect func(), onNotify func(string)) error {
+	cfg := p.Pool.Config().ConnConfig.Copy()
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		cctx, cancel := CleanupContext(context.Background())
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
+		return err
+	}
+	onConnect()
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			return err
+		}
+		onNotify(n.Payload)
+	}
+}

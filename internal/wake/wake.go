@@ -42,3 +42,17 @@ func Notify(key string) {
 	}
 	mu.Unlock()
 }
+
+// NotifyAll signals every registered channel.
+func NotifyAll() {
+	mu.Lock()
+	for _, m := range subs {
+		for ch := range m {
+			select {
+			case ch <- struct{}{}:
+			default:
+			}
+		}
+	}
+	mu.Unlock()
+}

@@ -1,0 +1,96 @@
+// Package listen keeps one LISTEN connection per pool in a process and turns the library's
+// NOTIFY wake-ups into in-process wake signals. It is a latency aid only: subscriptions keep
+// polling, so a lost notification, a dropped listening connection or a pool that cannot
+// listen delays delivery by at most one poll interval.
+package listen
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/wake"
+)
+
+// Channel is the NOTIFY channel of the library; the payload names a messages table.
+const Channel = "sqlbroker"
+
+type listener struct {
+	refs      int
+	cancel    context.CancelFunc
+	done      chan struct{}
+	connected atomic.Bool // a listening connection is open
+}
+
+var (
+	mu        sync.Mutex
+	listeners = map[any]*listener{}
+)
+
+// Acquire makes sure a listening connection runs for pool while the returned release has
+// not been called. release reports whether it closed the listening connection (the last
+// user left). Pools that cannot listen (database/sql) get a no-op.
+func Acquire(pool dbx.Pool, logger watermill.LoggerAdapter) (release func() bool) {
+	lp, ok := pool.(dbx.Listenable)
+	if !ok {
+		return func() bool { return false }
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	key := lp.ListenKey()
+	l := listeners[key]
+	if l == nil {
+		ctx, cancel := context.WithCancel(context.Background())
+		l = &listener{cancel: cancel, done: make(chan struct{})}
+		listeners[key] = l
+		go l.run(ctx, lp, logger)
+	}
+	l.refs++
+	var once sync.Once
+	return func() (closed bool) {
+		once.Do(func() {
+			mu.Lock()
+			l.refs--
+			last := l.refs == 0
+			if last {
+				delete(listeners, key)
+			}
+			mu.Unlock()
+			if last {
+				l.cancel()
+				<-l.done
+				closed = l.connected.Load()
+			}
+		})
+		return closed
+	}
+}
+
+// run listens until ctx ends, reconnecting after errors.
+func (l *listener) run(ctx context.Context, pool dbx.Listenable, logger watermill.LoggerAdapter) {
+	defer close(l.done)
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		err := pool.Listen(ctx, Channel, func() {
+			// (Re)connected: notifications sent meanwhile were missed; wake everyone.
+			l.connected.Store(true)
+			wake.NotifyAll()
+			backoff = 100 * time.Millisecond
+		}, wake.Notify)
+		if ctx.Err() != nil {
+			return // l.connected stays as it was: the connection was open until now
+		}
+		l.connected.Store(false)
+		logger.Debug("LISTEN connection lost; subscriptions poll until it is back", watermill.LogFields{"err": err, "retry_in": backoff})
+		select {
+		case <-time.After(backoff):
+		case <-ctx.Done():
+			return
+		}
+		backoff = min(backoff*2, 5*time.Second)
+	}
+}
