@@ -15,17 +15,7 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
-func TestMain(m *testing.M) {
-	code := m.Run()
-	testdb.Close()
-	if code == 0 {
-		if err := testdb.LeakCheck(); err != nil {
-			os.Stderr.WriteString("goroutines leaked: " + err.Error() + "\n")
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { testdb.Main(m) }
 
 type driver struct {
 	name string

@@ -140,3 +140,17 @@ func DropTopic(t testing.TB, schema, topic string) {
 		t.Errorf("dropping tables of %s: %v", topic, err)
 	}
 }
+
+// Main runs a package's tests, closes the shared pools, and fails the run when goroutines
+// are left behind: call it from TestMain.
+func Main(m *testing.M) {
+	code := m.Run()
+	Close()
+	if code == 0 {
+		if err := LeakCheck(); err != nil {
+			os.Stderr.WriteString("goroutines leaked: " + err.Error() + "\n")
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
