@@ -163,6 +163,14 @@ type SubscriberConfig struct {
 	// CloseTimeout bounds Close, which runs Shutdown with it. Defaults to DefaultCloseTimeout.
 	CloseTimeout time.Duration
 
+	// Retention deletes messages that every consumer group of the topic has settled once
+	// they are older than this; each subscription prunes its topic every Retention/10 (at
+	// least every second, at most every minute). A consumer group that is no longer used
+	// still counts: delete its row of the groups table to stop it holding messages back.
+	// Defaults to 0: messages are kept, so that a new consumer group can read the topic
+	// from its oldest message.
+	Retention time.Duration
+
 	// SynchronousCommit makes claims, lease extensions, acks and nacks wait for their WAL
 	// record to reach disk, like any other transaction. By default they commit with
 	// synchronous_commit = off, for their own transaction only: they then cost no disk flush
@@ -234,6 +242,7 @@ func (c *SubscriberConfig) validate() error {
 	}{
 		{"PollInterval", c.PollInterval}, {"LeaseTTL", c.LeaseTTL}, {"LeaseRenewInterval", c.LeaseRenewInterval},
 		{"NackBackoff", c.NackBackoff}, {"RetryInterval", c.RetryInterval}, {"CloseTimeout", c.CloseTimeout},
+		{"Retention", c.Retention},
 	}
 	for _, d := range durations {
 		if d.v < 0 {

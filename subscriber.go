@@ -300,6 +300,10 @@ func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, g
 
 func (sub *subscription) start() {
 	sub.wg.Add(3)
+	if sub.cfg.Retention > 0 {
+		sub.wg.Add(1)
+		go sub.pruneLoop()
+	}
 	go sub.claimLoop()
 	go sub.extendLoop()
 	go sub.settleLoop()
@@ -708,6 +712,37 @@ func (sub *subscription) forget(d *delivery) {
 	sub.mu.Unlock()
 	d.cancel(context.Canceled)
 	<-sub.slots
+}
+
+// pruneLoop deletes settled messages older than Retention while the subscription claims.
+func (sub *subscription) pruneLoop() {
+	defer sub.wg.Done()
+	every := min(max(sub.cfg.Retention/10, time.Second), time.Minute)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-sub.claimDone:
+			return
+		}
+		for {
+			ctx, cancel := context.WithTimeout(context.WithoutCancel(sub.ctx), every)
+			n, err := sub.store.Prune(ctx, sub.s.db, sub.cfg.Retention, 10000)
+			cancel()
+			if err != nil {
+				sub.s.stats.errors.Add(1)
+				sub.logger.Error("Deleting settled messages failed", err, nil)
+				break
+			}
+			if n > 0 {
+				sub.logger.Debug("Deleted settled messages", watermill.LogFields{"count": n})
+			}
+			if n < 10000 || sub.ctx.Err() != nil {
+				break
+			}
+		}
+	}
 }
 
 // extendLoop extends the leases of every delivery in work, well before they run out (L2). A

@@ -364,3 +364,31 @@ func TestSubscriberConfig_invalidDurationsNamed(t *testing.T) {
 		assert.True(t, errors.As(err, &cerr) || errors.As(err, &nerr), "%T", err)
 	}
 }
+
+// With Retention, messages every group has settled are deleted; those a group has not
+// reached, or still claims, are kept.
+func TestSubscriber_retentionDeletesSettledMessages(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	publish(t, pub, topic, "1", "2", "3", "4")
+	fast := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "fast", Retention: time.Millisecond})
+	slow := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "slow", MaxInFlight: 2})
+	fastMsgs, err := fast.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	slowMsgs, err := slow.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	for range 4 {
+		receive(t, fastMsgs, 10*time.Second).Ack()
+	}
+	// The slow group has settled the first message and holds the second.
+	receive(t, slowMsgs, 10*time.Second).Ack()
+	held := receive(t, slowMsgs, 10*time.Second)
+	testdb.Eventually(t, 10*time.Second, "the first message to be pruned", func() bool { return countMessages(t, topic) == 3 })
+	held.Ack()
+	for range 2 {
+		receive(t, slowMsgs, 10*time.Second).Ack()
+	}
+	testdb.Eventually(t, 10*time.Second, "the remaining messages to be pruned", func() bool { return countMessages(t, topic) == 0 })
+}

@@ -29,6 +29,7 @@ type Store struct {
 	ensureGrpSQL string
 	lookupGrpSQL string
 	horizonSQL   string
+	pruneSQL     string
 }
 
 // NewStore prepares the SQL text for t. With asyncCommit, claims, extensions and
@@ -126,6 +127,20 @@ VALUES ($1, CASE WHEN $2::boolean THEN pg_snapshot_xmin(pg_current_snapshot()) E
 ON CONFLICT ("consumer_group") DO NOTHING
 RETURNING "group_id"`, t.Groups)
 	s.lookupGrpSQL = fmt.Sprintf(`SELECT "group_id" FROM %s WHERE "consumer_group" = $1`, t.Groups)
+
+	// Messages every group has passed and none still claims, older than $1 ms, at most $2.
+	s.pruneSQL = fmt.Sprintf(`WITH low AS (
+	SELECT "last_xid", "last_offset" FROM %[1]s ORDER BY "last_xid", "last_offset" LIMIT 1
+)
+DELETE FROM %[2]s m
+WHERE m."offset" IN (
+	SELECT d."offset" FROM %[2]s d
+	WHERE (d."xid", d."offset") <= ((SELECT "last_xid" FROM low), (SELECT "last_offset" FROM low))
+	  AND d."created_at" < now() - $1::float8 * interval '1 millisecond'
+	  AND NOT EXISTS (SELECT 1 FROM %[3]s c WHERE c."offset" = d."offset")
+	ORDER BY d."xid", d."offset"
+	LIMIT $2
+)`, t.Groups, t.Messages, t.Claims)
 
 	// Messages past the group's position that the xmin horizon still holds back (M2).
 	s.horizonSQL = fmt.Sprintf(`SELECT count(*) FROM (
@@ -334,3 +349,9 @@ func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row, channel s
 
 // MaxRowsPerStatement says how many rows Insert writes in one statement.
 func MaxRowsPerStatement() int { return maxRowsPerInsert }
+
+// Prune deletes up to limit messages that every consumer group has passed and that no claim
+// holds, written more than olderThan ago, and returns how many it deleted.
+func (s *Store) Prune(ctx context.Context, q dbx.Querier, olderThan time.Duration, limit int) (int64, error) {
+	return q.Exec(ctx, s.pruneSQL, ms(olderThan), limit)
+}
