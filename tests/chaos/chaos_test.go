@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"slices"
 	"sort"
 	"strings"
@@ -40,6 +41,21 @@ func soakDuration(t *testing.T) time.Duration {
 		return d
 	}
 	return 0
+}
+
+// restartCommand returns the shell command that restarts PostgreSQL when the restart fault is
+// enabled: SQLBROKER_CHAOS_RESTART=1 adds one restart of the server in the middle of the
+// fault phase, with SQLBROKER_CHAOS_RESTART_COMMAND (default: pg_ctlcluster's restart of the
+// newest local cluster). A restart ends every other session on the server, other tests'
+// included: run it alone, against a server of its own.
+func restartCommand() (string, bool) {
+	if os.Getenv("SQLBROKER_CHAOS_RESTART") != "1" {
+		return "", false
+	}
+	if cmd := os.Getenv("SQLBROKER_CHAOS_RESTART_COMMAND"); cmd != "" {
+		return cmd, true
+	}
+	return "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql | sort -n | tail -1) main restart", true
 }
 
 // The consumers' settings: short leases so that a killed consumer's messages come back within
@@ -102,6 +118,8 @@ type totals struct {
 	dupOther, claimsLeft                 int
 	kills, terminated, xminHolds         int
 	freezes, dupFrozen, probes, revived  int
+	restarts                             int
+	publishRetries                       int64
 	stale, leasesLost, nacked, released  int64
 	statsFrom                            string
 	locksLeft, connsLeft, procConnsLeft  int
@@ -163,8 +181,10 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 		return 10
 	})
 
+	restartCmd, restarting := restartCommand()
+
 	// Publish.
-	var published atomic.Int64
+	var published, publishRetries atomic.Int64
 	pubDone := make(chan struct{})
 	var pubWG sync.WaitGroup
 	pubErrs := make(chan error, len(pubs))
@@ -187,7 +207,15 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 				for j := range msgs {
 					msgs[j] = message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprintf("p%d-%d", i, sent+j)))
 				}
-				if err := p.Publish(topic, msgs...); err != nil {
+				err := p.Publish(topic, msgs...)
+				for try := 0; err != nil && restarting && try < 300; try++ {
+					// The server is restarting: publish the batch again. A batch whose commit
+					// was cut off may then be stored twice; the totals count distinct UUIDs.
+					time.Sleep(100 * time.Millisecond)
+					publishRetries.Add(1)
+					err = p.Publish(topic, msgs...)
+				}
+				if err != nil {
 					pubErrs <- fmt.Errorf("publisher %d: %w", i, err)
 					return
 				}
@@ -201,13 +229,21 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 
 	// Inject faults while publishing, and a few seconds beyond.
 	var tot totals
+	var fig recovery
 	tot.mode = mode.String()
 	faultsEnd := time.Now().Add(publishFor + 5*time.Second)
 	cycle := []string{"kill", "terminate", "xmin", "freeze", "terminate", "kill", "terminate", "freeze"}
 	for i := 0; i < 10000 && time.Now().Before(faultsEnd); i++ {
 		time.Sleep(time.Duration(700+rand.IntN(900)) * time.Millisecond) // pacing, not synchronisation
 		tot.revived += f.revive()
-		switch cycle[i%len(cycle)] {
+		fault := cycle[i%len(cycle)]
+		if restarting && i == 4 {
+			fault = "restart"
+		}
+		switch fault {
+		case "restart":
+			fig.restartTook, fig.restartResume = restartServer(t, restartCmd, pubs[0], topic, results)
+			tot.restarts++
 		case "kill":
 			slot := rand.IntN(consumers)
 			f.kill(slot)
@@ -249,14 +285,14 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	}
 
 	// Every message stored is recorded as handled, at least once.
-	stored := func() int { return queryInt(t, "SELECT count(*) FROM "+tables.Messages) }
+	stored := func() int { return queryInt(t, "SELECT count(DISTINCT uuid) FROM "+tables.Messages) }
 	unique := func() int { return queryInt(t, "SELECT count(DISTINCT uuid) FROM "+results+" WHERE kind = 'done'") }
 	testdb.Eventually(t, 2*time.Minute, "every message handled", func() bool { return unique() >= stored() })
 	testdb.Eventually(t, 30*time.Second, "every claim settled", func() bool {
 		return queryInt(t, "SELECT count(*) FROM "+tables.Claims) == 0
 	})
 
-	fig := measureRecovery(t, f, pubs[0], topic, results, libPrefix, mode)
+	measureRecovery(t, f, pubs[0], topic, results, libPrefix, &fig)
 
 	// Stop every consumer cleanly, then the publishers.
 	f.stopAll()
@@ -266,8 +302,9 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	}
 
 	// Totals.
-	tot.probes = fig.probes
-	tot.published = int(published.Load()) + fig.probes
+	tot.probes = fig.probes + tot.restarts
+	tot.published = int(published.Load()) + tot.probes
+	tot.publishRetries = publishRetries.Load()
 	tot.stored = stored()
 	tot.deliveredUnique = queryInt(t, "SELECT count(DISTINCT r.uuid) FROM "+results+" r JOIN "+tables.Messages+" m USING (uuid) WHERE r.kind = 'done'")
 	tot.lost = queryInt(t, "SELECT count(*) FROM "+tables.Messages+" m WHERE NOT EXISTS (SELECT 1 FROM "+results+" r WHERE r.uuid = m.uuid AND r.kind = 'done')")
@@ -386,15 +423,16 @@ type recovery struct {
 	resume         []time.Duration // every library connection terminated -> next message handled
 	baseline       []time.Duration // the same message path without a fault
 	probes         int             // messages the measurements published
+	restartResume  time.Duration   // PostgreSQL restart began -> a message published after it handled
+	restartTook    time.Duration   // the restart command itself
 }
 
 // measureRecovery measures, with the fleet running: how long after a SIGKILL of the consumer
 // holding a message another consumer handles it, and how long after every library connection
 // was terminated a message published at that moment is handled (and without the fault).
-func measureRecovery(t *testing.T, f *fleet, pub *sqlbroker.Publisher, topic, results, libPrefix string, mode sqlbroker.ClaimMode) recovery {
+func measureRecovery(t *testing.T, f *fleet, pub *sqlbroker.Publisher, topic, results, libPrefix string, fig *recovery) {
 	ctx := context.Background()
 	db := testdb.Pgx(t)
-	var fig recovery
 	at := func(uuid, kind string) (time.Time, string, bool) {
 		var ts time.Time
 		var who string
@@ -451,7 +489,29 @@ func measureRecovery(t *testing.T, f *fleet, pub *sqlbroker.Publisher, topic, re
 		f.start(slot)
 		f.waitReady(slot)
 	}
-	return fig
+}
+
+// restartServer restarts PostgreSQL with cmd and returns how long the command took, and how
+// long after the restart began a message published once the server accepts connections again
+// is handled.
+func restartServer(t *testing.T, cmd string, pub *sqlbroker.Publisher, topic, results string) (took, resume time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	t0 := time.Now()
+	out, err := exec.CommandContext(ctx, "sh", "-c", cmd).CombinedOutput()
+	require.NoError(t, err, "restarting PostgreSQL: %s", out)
+	took = time.Since(t0)
+	db := testdb.Pgx(t)
+	db.Reset() // the test's own connections died with the server
+	testdb.Eventually(t, time.Minute, "PostgreSQL to accept connections", func() bool { return db.Ping(ctx) == nil })
+	msg := message.NewMessage(watermill.NewUUID(), []byte(probePing))
+	testdb.Eventually(t, time.Minute, "the probe published", func() bool { return pub.Publish(topic, msg) == nil })
+	testdb.Eventually(t, time.Minute, "the probe handled", func() bool {
+		var n int
+		err := db.QueryRow(ctx, "SELECT count(*) FROM "+results+" WHERE uuid = $1 AND kind = 'done'", msg.UUID).Scan(&n)
+		return err == nil && n > 0
+	})
+	return took, time.Since(t0)
 }
 
 func fmtDurations(ds []time.Duration) string {
@@ -475,7 +535,7 @@ func fmtDurations(ds []time.Duration) string {
 func printTotals(t *testing.T, tot totals, fig recovery) {
 	var b strings.Builder
 	fmt.Fprintf(&b, "=== chaos totals: claim mode %s (%d consumer processes, %s)\n", tot.mode, consumers, tot.elapsed.Round(time.Second))
-	fmt.Fprintf(&b, "published               %d (%d probes of the recovery measurements included; stored %d)\n", tot.published, tot.probes, tot.stored)
+	fmt.Fprintf(&b, "published               %d (%d probes of the recovery measurements included; stored %d distinct)\n", tot.published, tot.probes, tot.stored)
 	fmt.Fprintf(&b, "delivered unique        %d\n", tot.deliveredUnique)
 	fmt.Fprintf(&b, "lost                    %d\n", tot.lost)
 	fmt.Fprintf(&b, "duplicates              %d (%d: first handled by a process killed before its ack applied; %d: handled by a process frozen past its lease, whose late ack was refused as stale; %d: other settlements not applied before the lease ran out)\n", tot.duplicates, tot.dupKilled, tot.dupFrozen, tot.dupOther)
@@ -485,6 +545,9 @@ func printTotals(t *testing.T, tot totals, fig recovery) {
 	fmt.Fprintf(&b, "advisory locks left     %d (in pg_locks after shutdown; each consumer's own count after its shutdown: %d)\n", tot.locksLeft, tot.procLocksLeft)
 	fmt.Fprintf(&b, "library connections left %d (pg_stat_activity by application_name; each consumer's own count after its shutdown: %d)\n", tot.connsLeft, tot.procConnsLeft)
 	fmt.Fprintf(&b, "processes               %d started, %d clean exits (%d of them after a Subscribe that failed on a terminated connection, then restarted)\n", tot.processes, tot.cleanExits, tot.revived)
+	if tot.restarts > 0 {
+		fmt.Fprintf(&b, "PostgreSQL restarts     %d (publishes retried %d times); the restart command took %s; a message published after it was handled %s after the restart began\n", tot.restarts, tot.publishRetries, fig.restartTook.Round(time.Millisecond), fig.restartResume.Round(time.Millisecond))
+	}
 	fmt.Fprintf(&b, "recovery: redelivery after SIGKILL of the holder  %s (LeaseTTL %s, poll %s)\n", fmtDurations(fig.killRedelivery), leaseTTL, pollInterval)
 	fmt.Fprintf(&b, "recovery: handled after all library connections terminated %s (no fault: %s; RetryInterval %s)\n", fmtDurations(fig.resume), fmtDurations(fig.baseline), retryInterval)
 	t.Log("\n" + b.String())
