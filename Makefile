@@ -2,15 +2,22 @@
 SQLBROKER_TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 export SQLBROKER_TEST_POSTGRES_URL
 
-.PHONY: test test-race test-reconnect fuzz bench example
+.PHONY: test test-race test-reconnect chaos-soak fuzz bench example
 
 # Everything CI runs.
 test: test-race test-reconnect
 
-# Every package under the race detector.
+# Every package under the race detector. The chaos suite (tests/chaos) appends its totals to
+# chaos-totals.txt, printed here: go test shows nothing else of a passing package.
 test-race:
 	go vet ./...
-	go test -race -count=1 -timeout 20m ./...
+	rm -f chaos-totals.txt
+	SQLBROKER_CHAOS_TOTALS=$(CURDIR)/chaos-totals.txt go test -race -count=1 -timeout 20m ./...; \
+		status=$$?; cat chaos-totals.txt 2>/dev/null; exit $$status
+
+# The chaos suite for longer: publish and inject faults for 10 minutes per claim mode.
+chaos-soak:
+	go test -race -count=1 -timeout 60m -v -run TestChaos ./tests/chaos/ -chaos.soak=10m
 
 # Watermill's TestReconnect restarts PostgreSQL. It runs in its own pass, alone, and without
 # -race: the universal suite's TestReconnect reads a slice its own goroutine appends to
@@ -20,6 +27,7 @@ test-reconnect:
 
 fuzz:
 	go test -run '^$$' -fuzz FuzzValidateName -fuzztime 30s ./internal/ident/
+	go test -run '^$$' -fuzz FuzzNewTables -fuzztime 30s ./offsets/
 
 bench:
 	go test -run '^$$' -bench . -benchtime 20000x ./tests/

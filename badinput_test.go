@@ -1,0 +1,166 @@
+package sqlbroker_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+)
+
+// Subscribe after Close is refused with ErrClosed, on both drivers, whether or not the
+// subscriber ever subscribed, and nothing is written: no consumer group row appears.
+func TestSubscriber_subscribeAfterCloseRefused(t *testing.T) {
+	t.Parallel()
+	for name, db := range map[string]func() sqlbroker.DB{
+		"pgx":   func() sqlbroker.DB { return pgxDB(t) },
+		"libpq": func() sqlbroker.DB { return sqlbroker.StdSQL(testdb.Std(t)) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			topic := testdb.Topic(t, "")
+			sub, err := sqlbroker.NewSubscriber(db(), sqlbroker.SubscriberConfig{ConsumerGroup: "g", InitializeSchema: true}, nil)
+			require.NoError(t, err)
+			require.NoError(t, sub.SubscribeInitialize(topic))
+			require.NoError(t, sub.Close())
+			msgs, err := sub.Subscribe(context.Background(), topic)
+			assert.ErrorIs(t, err, sqlbroker.ErrClosed)
+			assert.Nil(t, msgs)
+			assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Groups), "a group row was written after Close")
+			require.NoError(t, sub.Close(), "Close is idempotent")
+		})
+	}
+}
+
+// A context already cancelled makes Subscribe fail with that context's error before it starts
+// anything: no channel, no consumer group row, no claim.
+func TestSubscriber_subscribeWithCancelledContext(t *testing.T) {
+	t.Parallel()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	publish(t, pub, topic, "x")
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g"})
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.Error(t, err)
+	assert.ErrorIs(t, err, context.Canceled)
+	assert.Contains(t, err.Error(), topic, "the error names the topic")
+	assert.Nil(t, msgs)
+	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Groups))
+	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims))
+	assert.Zero(t, sub.Stats().Claimed)
+
+	// The subscriber is still usable with a live context.
+	live, err := sub.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	receive(t, live, 10*time.Second).Ack()
+}
+
+// Lease mode, Ack after Close: a delivery still in work at Close keeps its lease (S4). An ack
+// that comes while the lease holds is applied (TestSubscriber_M5_closeReleasesAndReports); an
+// ack that comes after the lease ran out is not applied: the subscriber has given the delivery
+// up, the message goes to another consumer of the group with its attempt count raised, and the
+// late ack changes nothing in the database and counts as no ack.
+func TestSubscriber_ackAfterCloseAndLease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	sent := publish(t, pub, topic, "late")
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: time.Second, LeaseRenewInterval: 200 * time.Millisecond})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := receive(t, msgs, 10*time.Second)
+	require.NoError(t, sub.Close())
+	assert.ErrorIs(t, context.Cause(m.Context()), sqlbroker.ErrClosed)
+
+	// Another consumer takes the message once the lease ran out.
+	next := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
+	again, err := next.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m2 := receive(t, again, 10*time.Second)
+	assert.Equal(t, sent[0].UUID, m2.UUID)
+	assert.Equal(t, "2", m2.Metadata.Get(sqlbroker.MetadataAttempt))
+
+	m.Ack() // after Close and after the lease: not applied
+	noMessage(t, again, 300*time.Millisecond)
+	assert.Equal(t, int64(0), sub.Stats().Acked, "an ack after the lease ran out was applied")
+	assert.Equal(t, 1, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims), "the late ack settled the new holder's claim")
+
+	m2.Ack()
+	testdb.Eventually(t, 10*time.Second, "the new holder's ack", func() bool { return next.Stats().Acked == 1 })
+	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims))
+}
+
+// A Broker config with nonsense values is refused by Open, naming the field and the value.
+func TestBrokerConfig_nonsenseRefused(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		cfg  sqlbroker.BrokerConfig
+		want string
+	}{
+		{sqlbroker.BrokerConfig{ConnectTimeout: -time.Second}, "ConnectTimeout (-1s) must not be negative"},
+		{sqlbroker.BrokerConfig{CloseTimeout: -time.Millisecond}, "CloseTimeout (-1ms) must not be negative"},
+		{sqlbroker.BrokerConfig{MaxConns: -1}, "MaxConns (-1) must not be negative"},
+	}
+	for _, c := range cases {
+		b, err := sqlbroker.Open(testdb.URL(), c.cfg, nil)
+		require.Error(t, err, c.want)
+		assert.Nil(t, b)
+		var cerr *sqlbroker.ConfigError
+		assert.True(t, errors.As(err, &cerr), "%T", err)
+		assert.Contains(t, err.Error(), c.want)
+	}
+	// Subscriber configs of a broker are checked like any other.
+	b, err := sqlbroker.Open(testdb.URL(), sqlbroker.BrokerConfig{}, nil)
+	require.NoError(t, err)
+	defer b.Close()
+	_, err = b.NewSubscriber(sqlbroker.SubscriberConfig{LeaseTTL: time.Second, LeaseRenewInterval: 2 * time.Second})
+	assert.ErrorContains(t, err, "LeaseRenewInterval (2s) must be shorter than LeaseTTL (1s)")
+	_, err = b.NewSubscriber(sqlbroker.SubscriberConfig{LeaseTTL: time.Millisecond})
+	assert.ErrorContains(t, err, "LeaseTTL (1ms) must be at least 100ms")
+	_, err = b.NewSubscriber(sqlbroker.SubscriberConfig{RetryInterval: -time.Second})
+	assert.ErrorContains(t, err, "RetryInterval")
+	_, err = b.NewSubscriber(sqlbroker.SubscriberConfig{CloseTimeout: -time.Second})
+	assert.ErrorContains(t, err, "CloseTimeout")
+}
+
+// Tables created by another schema version are refused by publishers too, with and without
+// InitializeSchema (which must not try to "fix" them), and nothing is written.
+func TestPublisher_schemaVersionMismatchWritesNothing(t *testing.T) {
+	t.Parallel()
+	topic := testdb.Topic(t, "")
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{})
+	require.NoError(t, sub.SubscribeInitialize(topic))
+	_, err := testdb.Pgx(t).Exec(context.Background(), "COMMENT ON TABLE "+tables(topic).Messages+" IS 'sqlbroker schema v2'")
+	require.NoError(t, err)
+	for _, initialize := range []bool{false, true} {
+		for name, db := range map[string]sqlbroker.DB{"pgx": pgxDB(t), "libpq": sqlbroker.StdSQL(testdb.Std(t))} {
+			pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: initialize}, nil)
+			require.NoError(t, err)
+			err = pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("x")))
+			var verr *sqlbroker.SchemaVersionError
+			require.ErrorAs(t, err, &verr, "%s, InitializeSchema %v", name, initialize)
+			assert.Contains(t, err.Error(), `"sqlbroker schema v2"`)
+			assert.Contains(t, err.Error(), "v1")
+			assert.Contains(t, err.Error(), tables(topic).Messages)
+			require.NoError(t, pub.Close())
+		}
+	}
+	// A subscriber with InitializeSchema is refused too.
+	fresh, err := sqlbroker.NewSubscriber(pgxDB(t), sqlbroker.SubscriberConfig{InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	defer fresh.Close()
+	_, err = fresh.Subscribe(context.Background(), topic)
+	var verr *sqlbroker.SchemaVersionError
+	require.ErrorAs(t, err, &verr)
+	assert.Equal(t, 0, countMessages(t, topic))
+	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Groups))
+}

@@ -1,0 +1,78 @@
+package offsets
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
+)
+
+// FuzzNewTables checks the identifiers built for every topic that validation accepts (M6):
+// three distinct table names of at most 63 bytes, quoted (and schema-qualified) so that the
+// SQL text holds each as exactly one identifier, and two distinct topics never share a table.
+func FuzzNewTables(f *testing.F) {
+	seeds := []struct{ topic, other, schema, prefix string }{
+		{"orders", "orders2", "", "sqlbroker_"},
+		{"a", "b", "app", "p_"},
+		{strings.Repeat("a", 255), strings.Repeat("a", 254) + "b", "", "sqlbroker_"},
+		{strings.Repeat("x", 40), strings.Repeat("x", 41), "s", strings.Repeat("q", 24)},
+		{"events:Order/Placed.v1", "events:Order/Placed.v2", "", "sqlbroker_"},
+		{`x"; DROP TABLE t; --`, "t", "", "sqlbroker_"},
+		{"ü", "u", "", "sqlbroker_"},
+	}
+	for _, s := range seeds {
+		f.Add(s.topic, s.other, s.schema, s.prefix)
+	}
+	f.Fuzz(func(t *testing.T, topic, other, schema, prefix string) {
+		if ident.ValidateName("topic", topic) != nil ||
+			ident.ValidateIdentifier("Schema", schema, ident.MaxIdentifierLength, true) != nil ||
+			ident.ValidateIdentifier("TablePrefix", prefix, 24, false) != nil {
+			return
+		}
+		tb := NewTables(schema, prefix, topic)
+		raw := []string{tb.MessagesName, tb.GroupsName, tb.ClaimsName}
+		quoted := []string{tb.Messages, tb.Groups, tb.Claims}
+		seen := map[string]bool{}
+		for i, name := range raw {
+			if name == "" || len(name) > ident.MaxIdentifierLength {
+				t.Fatalf("topic %q: table name %q is %d bytes", topic, name, len(name))
+			}
+			if seen[name] {
+				t.Fatalf("topic %q: two tables named %q", topic, name)
+			}
+			seen[name] = true
+			if !strings.HasPrefix(name, prefix) {
+				t.Fatalf("topic %q: table name %q lost the prefix %q", topic, name, prefix)
+			}
+			if strings.Contains(name, `"`) {
+				t.Fatalf("topic %q: table name %q holds a quote", topic, name)
+			}
+			want := `"` + name + `"`
+			if schema != "" {
+				want = `"` + schema + `".` + want
+			}
+			if quoted[i] != want {
+				t.Fatalf("topic %q: quoted %q, want %q", topic, quoted[i], want)
+			}
+		}
+		// The dependent objects are named within the limit too.
+		for _, s := range []string{"_m_seq", "_m_pkey", "_m_xid", "_g_seq", "_g_pkey", "_g_name", "_c_pkey"} {
+			if n := ident.TableName(prefix, topic, s); len(n) > ident.MaxIdentifierLength {
+				t.Fatalf("topic %q: object name %q is %d bytes", topic, n, len(n))
+			}
+		}
+		if sql := tb.SchemaSQL(); strings.Count(sql, `"`)%2 != 0 {
+			t.Fatalf("topic %q: unbalanced quotes in the schema SQL", topic)
+		}
+		if other != topic && ident.ValidateName("topic", other) == nil {
+			ob := NewTables(schema, prefix, other)
+			for _, a := range raw {
+				for _, b := range []string{ob.MessagesName, ob.GroupsName, ob.ClaimsName} {
+					if a == b {
+						t.Fatalf("topics %q and %q share the table %q", topic, other, a)
+					}
+				}
+			}
+		}
+	})
+}

@@ -1,0 +1,561 @@
+package chaos
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+)
+
+// soak makes the run longer: -chaos.soak=10m, or SQLBROKER_CHAOS_SOAK=10m. The default run
+// publishes for about 30 seconds per claim mode.
+var soak = flag.Duration("chaos.soak", 0, "publish and inject faults for this long per claim mode (default: a short run)")
+
+func soakDuration(t *testing.T) time.Duration {
+	if *soak > 0 {
+		return *soak
+	}
+	if v := os.Getenv("SQLBROKER_CHAOS_SOAK"); v != "" {
+		d, err := time.ParseDuration(v)
+		require.NoError(t, err, "SQLBROKER_CHAOS_SOAK")
+		return d
+	}
+	return 0
+}
+
+// restartCommand returns the shell command that restarts PostgreSQL when the restart fault is
+// enabled: SQLBROKER_CHAOS_RESTART=1 adds one restart of the server in the middle of the
+// fault phase, with SQLBROKER_CHAOS_RESTART_COMMAND (default: pg_ctlcluster's restart of the
+// newest local cluster). A restart ends every other session on the server, other tests'
+// included: run it alone, against a server of its own.
+func restartCommand() (string, bool) {
+	if os.Getenv("SQLBROKER_CHAOS_RESTART") != "1" {
+		return "", false
+	}
+	if cmd := os.Getenv("SQLBROKER_CHAOS_RESTART_COMMAND"); cmd != "" {
+		return cmd, true
+	}
+	return "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql | sort -n | tail -1) main restart", true
+}
+
+// The consumers' settings: short leases so that a killed consumer's messages come back within
+// the run.
+const (
+	leaseTTL       = 2 * time.Second
+	renewInterval  = 500 * time.Millisecond
+	pollInterval   = 50 * time.Millisecond
+	retryInterval  = 250 * time.Millisecond
+	handlerTimeout = 300 * time.Millisecond
+	consumers      = 3
+)
+
+var modes = []sqlbroker.ClaimMode{sqlbroker.ClaimLease, sqlbroker.ClaimAdvisoryLock}
+
+// modeAvailable asks NewSubscriber whether the mode is built yet.
+func modeAvailable(t *testing.T, mode sqlbroker.ClaimMode) (bool, string) {
+	sub, err := sqlbroker.NewSubscriber(sqlbroker.Pgx(testdb.Pgx(t)), sqlbroker.SubscriberConfig{ClaimMode: mode}, nil)
+	var cerr *sqlbroker.ConfigError
+	if errors.As(err, &cerr) && strings.Contains(cerr.Reason, "not available") {
+		return false, err.Error()
+	}
+	require.NoError(t, err)
+	require.NoError(t, sub.Close())
+	return true, ""
+}
+
+// withApp returns the test database's URL with another scheme and an application_name.
+func withApp(scheme, app string) string {
+	u := testdb.URL()
+	sep := "?"
+	if strings.Contains(u, "?") {
+		sep = "&"
+	}
+	_, rest, _ := strings.Cut(u, "://")
+	return scheme + "://" + rest + sep + "application_name=" + app
+}
+
+// TestChaos runs the scenario once per claim mode that NewSubscriber accepts: three consumer
+// processes of one group (two on pgx, one on lib/pq; one with a pool of two connections for
+// 32 messages in flight) consume what two in-process publishers (pgx and lib/pq) publish, while
+// consumers are killed and restarted, their connections terminated, and a long transaction
+// holds the xmin horizon back; handlers panic, time out and nack. Then the recovery figures
+// are measured, and the totals printed and checked.
+func TestChaos(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(mode.String(), func(t *testing.T) {
+			if ok, why := modeAvailable(t, mode); !ok {
+				t.Skipf("claim mode %s skipped: NewSubscriber refuses it: %s", mode, why)
+			}
+			runScenario(t, mode)
+		})
+	}
+}
+
+type totals struct {
+	mode                                 string
+	published, stored, deliveredUnique   int
+	lost, duplicates, dupKilled          int
+	dupOther, claimsLeft                 int
+	kills, terminated, xminHolds         int
+	freezes, dupFrozen, probes, revived  int
+	restarts                             int
+	publishRetries                       int64
+	stale, leasesLost, nacked, released  int64
+	statsFrom                            string
+	locksLeft, connsLeft, procConnsLeft  int
+	procLocksLeft, cleanExits, processes int
+	elapsed                              time.Duration
+}
+
+func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
+	start := time.Now()
+	ctx := context.Background()
+	db := testdb.Pgx(t)
+	topic := testdb.Topic(t, "")
+	tables := offsets.NewTables("", sqlbroker.DefaultTablePrefix, topic)
+	run := strings.ToLower(watermill.NewShortUUID())
+	libPrefix := "sqlbchaoslib" + run // the consumers' library connections
+	pubApp := "sqlbchaospub" + run    // the in-process publishers
+	recApp := "sqlbchaosrec" + run    // the consumers' recording pools (not the library's)
+	results := pgx.Identifier{"chaos_results_" + topic}.Sanitize()
+	_, err := db.Exec(ctx, "CREATE TABLE "+results+` (uuid text NOT NULL, consumer text NOT NULL, pid int NOT NULL,
+		attempt int NOT NULL, kind text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = db.Exec(context.Background(), "DROP TABLE IF EXISTS "+results) })
+
+	// Publishers in this process, one per driver, on pools built from URLs.
+	var pubs []*sqlbroker.Publisher
+	var brokers []*sqlbroker.Broker
+	for _, scheme := range []string{"postgres", "libpq+postgres"} {
+		b, err := sqlbroker.Open(withApp(scheme, pubApp), sqlbroker.BrokerConfig{MaxConns: 4}, nil)
+		require.NoError(t, err)
+		brokers = append(brokers, b)
+		t.Cleanup(func() { _ = b.Close() })
+		p, err := b.NewPublisher(sqlbroker.PublisherConfig{})
+		require.NoError(t, err)
+		pubs = append(pubs, p)
+	}
+	require.NoError(t, brokers[0].InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic))
+
+	publishFor := 30 * time.Second
+	total := 3000
+	if d := soakDuration(t); d > 0 {
+		publishFor = d
+		total = int(float64(total) * d.Seconds() / 30)
+	}
+
+	f := newFleet(t, consumers, consumerConfig{
+		RecordURL: withApp("postgres", recApp), Topic: topic, Group: "chaos", Mode: int(mode), Results: results,
+		MaxInFlight: 32, LeaseTTL: leaseTTL, Renew: renewInterval, Poll: pollInterval, Retry: retryInterval,
+		Timeout: handlerTimeout, Faults: true,
+	}, func(slot, gen int) string {
+		scheme := "postgres"
+		if slot == 1 {
+			scheme = "libpq+postgres"
+		}
+		return withApp(scheme, fmt.Sprintf("%sc%dg%d", libPrefix, slot, gen))
+	}, func(slot int) int {
+		if slot == 2 {
+			return 2 // pool exhaustion: 32 messages in flight, claims, extensions and settlements on 2 connections
+		}
+		return 10
+	})
+
+	restartCmd, restarting := restartCommand()
+
+	// Publish.
+	var published, publishRetries atomic.Int64
+	pubDone := make(chan struct{})
+	var pubWG sync.WaitGroup
+	pubErrs := make(chan error, len(pubs))
+	for i, p := range pubs {
+		share := total / len(pubs)
+		if i == 0 {
+			share += total % len(pubs)
+		}
+		pubWG.Add(1)
+		go func() {
+			defer pubWG.Done()
+			deadline := time.Now().Add(3*publishFor + time.Minute)
+			for sent := 0; sent < share; {
+				if time.Now().After(deadline) {
+					pubErrs <- fmt.Errorf("publisher %d: only %d of %d published by the deadline", i, sent, share)
+					return
+				}
+				n := min(1+rand.IntN(20), share-sent)
+				msgs := make([]*message.Message, n)
+				for j := range msgs {
+					msgs[j] = message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprintf("p%d-%d", i, sent+j)))
+				}
+				err := p.Publish(topic, msgs...)
+				for try := 0; err != nil && restarting && try < 300; try++ {
+					// The server is restarting: publish the batch again. A batch whose commit
+					// was cut off may then be stored twice; the totals count distinct UUIDs.
+					time.Sleep(100 * time.Millisecond)
+					publishRetries.Add(1)
+					err = p.Publish(topic, msgs...)
+				}
+				if err != nil {
+					pubErrs <- fmt.Errorf("publisher %d: %w", i, err)
+					return
+				}
+				sent += n
+				published.Add(int64(n))
+				time.Sleep(time.Duration(float64(publishFor) * float64(n) / float64(share))) // pacing
+			}
+		}()
+	}
+	go func() { pubWG.Wait(); close(pubDone) }()
+
+	// Inject faults while publishing, and a few seconds beyond.
+	var tot totals
+	var fig recovery
+	tot.mode = mode.String()
+	faultsEnd := time.Now().Add(publishFor + 5*time.Second)
+	cycle := []string{"kill", "terminate", "xmin", "freeze", "terminate", "kill", "terminate", "freeze"}
+	for i := 0; i < 10000 && time.Now().Before(faultsEnd); i++ {
+		time.Sleep(time.Duration(700+rand.IntN(900)) * time.Millisecond) // pacing, not synchronisation
+		tot.revived += f.revive()
+		fault := cycle[i%len(cycle)]
+		if restarting && i == 4 {
+			fault = "restart"
+		}
+		switch fault {
+		case "restart":
+			fig.restartTook, fig.restartResume = restartServer(t, restartCmd, pubs[0], topic, results)
+			tot.restarts++
+		case "kill":
+			slot := rand.IntN(consumers)
+			f.kill(slot)
+			tot.kills++
+			time.Sleep(300 * time.Millisecond)
+			f.start(slot)
+		case "terminate":
+			var n int
+			require.NoError(t, db.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM (
+				SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1 || '%' ORDER BY random() LIMIT 2) x`, libPrefix).Scan(&n))
+			tot.terminated += n
+		case "freeze":
+			f.freeze(rand.IntN(consumers), leaseTTL+time.Second)
+			tot.freezes++
+		case "xmin":
+			// A transaction with an xid, open for 3s: no message committed after it started
+			// can be delivered until it ends (M2); they are held back, not lost.
+			tx, err := db.Begin(ctx)
+			require.NoError(t, err)
+			_, err = tx.Exec(ctx, "SELECT pg_current_xact_id()")
+			require.NoError(t, err)
+			time.Sleep(3 * time.Second)
+			require.NoError(t, tx.Rollback(ctx))
+			tot.xminHolds++
+		}
+	}
+	select {
+	case <-pubDone:
+	case <-time.After(3*publishFor + 2*time.Minute):
+		t.Fatal("publishers did not finish")
+	}
+	close(pubErrs)
+	for err := range pubErrs {
+		require.NoError(t, err)
+	}
+	tot.revived += f.revive()
+	for i := range consumers {
+		f.waitReady(i)
+	}
+
+	// Every message stored is recorded as handled, at least once.
+	stored := func() int { return queryInt(t, "SELECT count(DISTINCT uuid) FROM "+tables.Messages) }
+	unique := func() int { return queryInt(t, "SELECT count(DISTINCT uuid) FROM "+results+" WHERE kind = 'done'") }
+	testdb.Eventually(t, 2*time.Minute, "every message handled", func() bool { return unique() >= stored() })
+	testdb.Eventually(t, 30*time.Second, "every claim settled", func() bool {
+		return queryInt(t, "SELECT count(*) FROM "+tables.Claims) == 0
+	})
+
+	measureRecovery(t, f, pubs[0], topic, results, libPrefix, &fig)
+
+	// Stop every consumer cleanly, then the publishers.
+	f.stopAll()
+	for _, b := range brokers {
+		_, err := b.Shutdown(ctx)
+		require.NoError(t, err)
+	}
+
+	// Totals.
+	tot.probes = fig.probes + tot.restarts
+	tot.published = int(published.Load()) + tot.probes
+	tot.publishRetries = publishRetries.Load()
+	tot.stored = stored()
+	tot.deliveredUnique = queryInt(t, "SELECT count(DISTINCT r.uuid) FROM "+results+" r JOIN "+tables.Messages+" m USING (uuid) WHERE r.kind = 'done'")
+	tot.lost = queryInt(t, "SELECT count(*) FROM "+tables.Messages+" m WHERE NOT EXISTS (SELECT 1 FROM "+results+" r WHERE r.uuid = m.uuid AND r.kind = 'done')")
+	tot.claimsLeft = queryInt(t, "SELECT count(*) FROM "+tables.Claims)
+	tot.duplicates, tot.dupKilled, tot.dupFrozen = duplicates(t, f, results)
+	tot.dupOther = tot.duplicates - tot.dupKilled - tot.dupFrozen
+	last, final, procs := f.reports()
+	tot.processes = len(procs)
+	var fromStats []string
+	for _, p := range procs {
+		r, ok := last[p.id]
+		if !ok {
+			continue
+		}
+		tot.stale += r.Stats.StaleSettlements
+		tot.leasesLost += r.Stats.LeasesLost
+		tot.nacked += r.Stats.Nacked
+		tot.released += r.Stats.Released
+		if final[p.id] {
+			tot.cleanExits++
+			tot.procConnsLeft += r.ConnsLeft
+			tot.procLocksLeft += r.LocksLeft
+			assert.Empty(t, r.ShutdownErr, "consumer %s shutdown", p.id)
+			if !p.revived {
+				assert.Empty(t, r.RunErr, "consumer %s run", p.id)
+			}
+		} else {
+			fromStats = append(fromStats, p.id)
+		}
+	}
+	tot.statsFrom = fmt.Sprintf("%d clean exits; %d killed processes counted up to their last second", tot.cleanExits, len(fromStats))
+	testdb.Eventually(t, 10*time.Second, "no library connection left", func() bool {
+		return queryInt(t, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1 || '%' OR application_name = $2", libPrefix, pubApp) == 0
+	})
+	tot.connsLeft = queryInt(t, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1 || '%' OR application_name = $2", libPrefix, pubApp)
+	tot.locksLeft = queryInt(t, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+		WHERE l.locktype = 'advisory' AND (a.application_name LIKE $1 || '%' OR a.application_name = $2)`, libPrefix, pubApp)
+	tot.elapsed = time.Since(start)
+
+	printTotals(t, tot, fig)
+
+	assert.Equal(t, tot.published, tot.stored, "messages stored differ from messages published")
+	assert.Zero(t, tot.lost, "messages lost")
+	assert.Equal(t, tot.stored, tot.deliveredUnique)
+	assert.Zero(t, tot.claimsLeft, "claims left unsettled")
+	assert.Zero(t, tot.locksLeft, "advisory locks left")
+	assert.Zero(t, tot.connsLeft, "library connections left")
+	assert.Zero(t, tot.procLocksLeft, "advisory locks left after a consumer's shutdown")
+	assert.Zero(t, tot.procConnsLeft, "library connections left after a consumer's shutdown")
+	assert.Equal(t, consumers+tot.revived, tot.cleanExits-countKilledWithFinal(procs, final), "every consumer not killed exits cleanly")
+	if t.Failed() {
+		for _, p := range procs {
+			t.Log(tail(p.logPath, 20))
+		}
+	}
+}
+
+// countKilledWithFinal counts killed processes that printed a final report (none should).
+func countKilledWithFinal(procs []*proc, final map[string]bool) int {
+	n := 0
+	for _, p := range procs {
+		if p.killed && final[p.id] {
+			n++
+		}
+	}
+	return n
+}
+
+// duplicates counts the extra handlings of messages, and of them those explained by a kill (the
+// first handling was by a process killed afterwards, whose ack had not reached the database)
+// and by a freeze (a process that handled the message was stopped past its lease: the message
+// went to another consumer, and the frozen one's late ack was refused as stale). Any other
+// comes from a settlement that could not be applied before the lease ran out (a terminated
+// connection, an exhausted pool, a handler that outlived its lease).
+func duplicates(t *testing.T, f *fleet, results string) (all, byKill, byFreeze int) {
+	_, _, procs := f.reports()
+	var killed, frozen []string
+	for _, p := range procs {
+		if p.killed {
+			killed = append(killed, p.id)
+		}
+		if p.frozen {
+			frozen = append(frozen, p.id)
+		}
+	}
+	rows, err := testdb.Pgx(t).Query(context.Background(), `SELECT array_agg(consumer ORDER BY at)
+		FROM `+results+` WHERE kind = 'done' GROUP BY uuid HAVING count(*) > 1`)
+	require.NoError(t, err)
+	defer rows.Close()
+	for rows.Next() {
+		var by []string
+		require.NoError(t, rows.Scan(&by))
+		extra := len(by) - 1
+		all += extra
+		switch {
+		case slices.Contains(killed, by[0]):
+			byKill += extra
+		case slices.ContainsFunc(by, func(c string) bool { return slices.Contains(frozen, c) }):
+			byFreeze += extra
+		}
+	}
+	require.NoError(t, rows.Err())
+	return all, byKill, byFreeze
+}
+
+func queryInt(t *testing.T, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	require.NoError(t, testdb.Pgx(t).QueryRow(context.Background(), sql, args...).Scan(&n))
+	return n
+}
+
+// recovery holds the recovery figures of one mode.
+type recovery struct {
+	killRedelivery []time.Duration // SIGKILL of the holder -> handled by another consumer
+	resume         []time.Duration // every library connection terminated -> next message handled
+	baseline       []time.Duration // the same message path without a fault
+	probes         int             // messages the measurements published
+	restartResume  time.Duration   // PostgreSQL restart began -> a message published after it handled
+	restartTook    time.Duration   // the restart command itself
+}
+
+// measureRecovery measures, with the fleet running: how long after a SIGKILL of the consumer
+// holding a message another consumer handles it, and how long after every library connection
+// was terminated a message published at that moment is handled (and without the fault).
+func measureRecovery(t *testing.T, f *fleet, pub *sqlbroker.Publisher, topic, results, libPrefix string, fig *recovery) {
+	ctx := context.Background()
+	db := testdb.Pgx(t)
+	at := func(uuid, kind string) (time.Time, string, bool) {
+		var ts time.Time
+		var who string
+		err := db.QueryRow(ctx, "SELECT at, consumer FROM "+results+" WHERE uuid = $1 AND kind = $2 ORDER BY at LIMIT 1", uuid, kind).Scan(&ts, &who)
+		return ts, who, err == nil
+	}
+	now := func() time.Time {
+		var ts time.Time
+		require.NoError(t, db.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&ts))
+		return ts
+	}
+	ping := func(fault bool) time.Duration {
+		if fault {
+			_, err := db.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE $1 || '%'", libPrefix)
+			require.NoError(t, err)
+		}
+		t0 := now()
+		msg := message.NewMessage(watermill.NewUUID(), []byte(probePing))
+		require.NoError(t, pub.Publish(topic, msg))
+		fig.probes++
+		var done time.Time
+		testdb.Eventually(t, 30*time.Second, "the probe handled", func() bool {
+			var ok bool
+			done, _, ok = at(msg.UUID, "done")
+			return ok
+		})
+		return done.Sub(t0)
+	}
+	for range 3 {
+		fig.baseline = append(fig.baseline, ping(false))
+		fig.resume = append(fig.resume, ping(true))
+	}
+	for range 3 {
+		msg := message.NewMessage(watermill.NewUUID(), []byte(probeHold))
+		require.NoError(t, pub.Publish(topic, msg))
+		fig.probes++
+		var holder string
+		testdb.Eventually(t, 30*time.Second, "the hold probe taken", func() bool {
+			var ok bool
+			_, holder, ok = at(msg.UUID, "seen")
+			return ok
+		})
+		slot := f.slotOf(holder)
+		require.GreaterOrEqual(t, slot, 0, "holder %s", holder)
+		f.kill(slot)
+		t0 := now()
+		var done time.Time
+		testdb.Eventually(t, 30*time.Second, "the held message redelivered", func() bool {
+			var ok bool
+			done, _, ok = at(msg.UUID, "done")
+			return ok
+		})
+		fig.killRedelivery = append(fig.killRedelivery, done.Sub(t0))
+		f.start(slot)
+		f.waitReady(slot)
+	}
+}
+
+// restartServer restarts PostgreSQL with cmd and returns how long the command took, and how
+// long after the restart began a message published once the server accepts connections again
+// is handled.
+func restartServer(t *testing.T, cmd string, pub *sqlbroker.Publisher, topic, results string) (took, resume time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	t0 := time.Now()
+	out, err := exec.CommandContext(ctx, "sh", "-c", cmd).CombinedOutput()
+	require.NoError(t, err, "restarting PostgreSQL: %s", out)
+	took = time.Since(t0)
+	db := testdb.Pgx(t)
+	db.Reset() // the test's own connections died with the server
+	testdb.Eventually(t, time.Minute, "PostgreSQL to accept connections", func() bool { return db.Ping(ctx) == nil })
+	msg := message.NewMessage(watermill.NewUUID(), []byte(probePing))
+	testdb.Eventually(t, time.Minute, "the probe published", func() bool { return pub.Publish(topic, msg) == nil })
+	testdb.Eventually(t, time.Minute, "the probe handled", func() bool {
+		var n int
+		err := db.QueryRow(ctx, "SELECT count(*) FROM "+results+" WHERE uuid = $1 AND kind = 'done'", msg.UUID).Scan(&n)
+		return err == nil && n > 0
+	})
+	return took, time.Since(t0)
+}
+
+func fmtDurations(ds []time.Duration) string {
+	s := make([]string, len(ds))
+	sorted := append([]time.Duration(nil), ds...)
+	sort.Slice(sorted, func(i, j int) bool { return sorted[i] < sorted[j] })
+	for i, d := range ds {
+		s[i] = d.Round(time.Millisecond).String()
+	}
+	med := time.Duration(0)
+	if len(sorted) > 0 {
+		med = sorted[len(sorted)/2]
+	}
+	return fmt.Sprintf("median %s (%s)", med.Round(time.Millisecond), strings.Join(s, ", "))
+}
+
+// printTotals writes the totals to the test log and to stdout. go test shows a passing
+// package's output only with -v (or when run in a package directory without arguments), so the
+// totals are also appended to the file SQLBROKER_CHAOS_TOTALS names, when set: `make test`
+// sets it and prints the file after the run.
+func printTotals(t *testing.T, tot totals, fig recovery) {
+	var b strings.Builder
+	fmt.Fprintf(&b, "=== chaos totals: claim mode %s (%d consumer processes, %s)\n", tot.mode, consumers, tot.elapsed.Round(time.Second))
+	fmt.Fprintf(&b, "published               %d (%d probes of the recovery measurements included; stored %d distinct)\n", tot.published, tot.probes, tot.stored)
+	fmt.Fprintf(&b, "delivered unique        %d\n", tot.deliveredUnique)
+	fmt.Fprintf(&b, "lost                    %d\n", tot.lost)
+	fmt.Fprintf(&b, "duplicates              %d (%d: first handled by a process killed before its ack applied; %d: handled by a process frozen past its lease, whose late ack was refused as stale; %d: other settlements not applied before the lease ran out)\n", tot.duplicates, tot.dupKilled, tot.dupFrozen, tot.dupOther)
+	fmt.Fprintf(&b, "claims left             %d\n", tot.claimsLeft)
+	fmt.Fprintf(&b, "stale settlements       %d refused (leases lost %d, nacks applied %d, claims released %d; %s)\n", tot.stale, tot.leasesLost, tot.nacked, tot.released, tot.statsFrom)
+	fmt.Fprintf(&b, "faults injected         %d SIGKILL+restart, %d SIGSTOP for %s then SIGCONT, %d backends terminated, %d xmin holds of 3s, 1 pool of 2 connections for 32 in flight, handlers panicking/nacking/timing out on ~9%% of messages\n", tot.kills, tot.freezes, leaseTTL+time.Second, tot.terminated, tot.xminHolds)
+	fmt.Fprintf(&b, "advisory locks left     %d (in pg_locks after shutdown; each consumer's own count after its shutdown: %d)\n", tot.locksLeft, tot.procLocksLeft)
+	fmt.Fprintf(&b, "library connections left %d (pg_stat_activity by application_name; each consumer's own count after its shutdown: %d)\n", tot.connsLeft, tot.procConnsLeft)
+	fmt.Fprintf(&b, "processes               %d started, %d clean exits (%d of them after a Subscribe that failed on a terminated connection, then restarted)\n", tot.processes, tot.cleanExits, tot.revived)
+	if tot.restarts > 0 {
+		fmt.Fprintf(&b, "PostgreSQL restarts     %d (publishes retried %d times); the restart command took %s; a message published after it was handled %s after the restart began\n", tot.restarts, tot.publishRetries, fig.restartTook.Round(time.Millisecond), fig.restartResume.Round(time.Millisecond))
+	}
+	fmt.Fprintf(&b, "recovery: redelivery after SIGKILL of the holder  %s (LeaseTTL %s, poll %s)\n", fmtDurations(fig.killRedelivery), leaseTTL, pollInterval)
+	fmt.Fprintf(&b, "recovery: handled after all library connections terminated %s (no fault: %s; RetryInterval %s)\n", fmtDurations(fig.resume), fmtDurations(fig.baseline), retryInterval)
+	t.Log("\n" + b.String())
+	fmt.Print(b.String())
+	if path := os.Getenv("SQLBROKER_CHAOS_TOTALS"); path != "" {
+		file, err := os.OpenFile(path, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+		require.NoError(t, err)
+		_, err = file.WriteString(b.String())
+		require.NoError(t, errors.Join(err, file.Close()))
+	}
+}

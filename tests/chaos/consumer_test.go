@@ -1,0 +1,269 @@
+package chaos
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"math/rand/v2"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+)
+
+// envConsumer carries the JSON consumerConfig of a consumer process.
+const envConsumer = "SQLBROKER_CHAOS_CONSUMER"
+
+// Payloads of the probes the recovery measurements publish; the handler treats them apart.
+const (
+	probeHold = "probe-hold" // first attempt: recorded as "seen", then held until the process dies
+	probePing = "probe-ping" // recorded at once
+)
+
+// consumerConfig is what one consumer process runs.
+type consumerConfig struct {
+	ID          string // process instance: slot and generation, "c1g3"
+	URL         string // the library's URL (scheme picks the driver, application_name marks it)
+	RecordURL   string // where handled messages are recorded, outside the library
+	Topic       string
+	Group       string
+	Mode        int
+	Results     string // quoted name of the results table
+	MaxConns    int
+	MaxInFlight int
+	LeaseTTL    time.Duration
+	Renew       time.Duration
+	Poll        time.Duration
+	Retry       time.Duration
+	Timeout     time.Duration // handler timeout (middleware.Timeout)
+	Faults      bool          // handlers panic, nack and time out for some messages
+}
+
+// consumerReport is printed by a consumer process: every second (CHAOS-STATS) and at a clean
+// exit (CHAOS-FINAL), so that the figures of a process killed with SIGKILL are known up to its
+// last second.
+type consumerReport struct {
+	ID          string
+	Stats       sqlbroker.Stats
+	Report      sqlbroker.CloseReport
+	ShutdownErr string
+	RunErr      string // router.Run's error: the consumer could not subscribe
+	ConnsLeft   int // the library's backends still in pg_stat_activity after the shutdown
+	LocksLeft   int // advisory locks those backends hold
+}
+
+func printReport(kind string, r consumerReport) {
+	b, _ := json.Marshal(r)
+	fmt.Printf("%s %s\n", kind, b)
+}
+
+// faultOf picks what the handler does with a message on a given attempt: deterministic by UUID,
+// so every process agrees, and every faulty message succeeds on a later attempt.
+func faultOf(uuid string, attempt int) string {
+	h := fnv.New32a()
+	h.Write([]byte(uuid))
+	switch v := h.Sum32() % 100; {
+	case v < 3 && attempt == 1:
+		return "panic"
+	case v >= 3 && v < 7 && attempt <= 2:
+		return "nack"
+	case v >= 7 && v < 9 && attempt == 1:
+		return "timeout"
+	}
+	return ""
+}
+
+// runConsumer is the consumer process: a Router with the library's hook, a handler that records
+// what it handled, and its figures on stdout. SIGTERM stops it cleanly.
+func runConsumer() int {
+	var cfg consumerConfig
+	if err := json.Unmarshal([]byte(os.Getenv(envConsumer)), &cfg); err != nil {
+		fmt.Fprintln(os.Stderr, "bad consumer config:", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	logger := watermill.NewStdLoggerWithOut(os.Stderr, false, false)
+
+	recCfg, err := pgxpool.ParseConfig(cfg.RecordURL)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "record URL:", err)
+		return 2
+	}
+	recCfg.MaxConns = 8
+	rec, err := pgxpool.NewWithConfig(context.Background(), recCfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "record pool:", err)
+		return 2
+	}
+	defer rec.Close()
+	pid := os.Getpid()
+	record := func(msg *message.Message, kind string) error {
+		rctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		attempt, _ := strconv.Atoi(msg.Metadata.Get(sqlbroker.MetadataAttempt))
+		_, err := rec.Exec(rctx, "INSERT INTO "+cfg.Results+` (uuid, consumer, pid, attempt, kind) VALUES ($1, $2, $3, $4, $5)`,
+			msg.UUID, cfg.ID, pid, attempt, kind)
+		return err
+	}
+
+	broker, err := sqlbroker.Open(cfg.URL, sqlbroker.BrokerConfig{MaxConns: cfg.MaxConns}, logger)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "open:", err)
+		return 2
+	}
+	sub, err := broker.NewSubscriber(sqlbroker.SubscriberConfig{
+		ConsumerGroup:      cfg.Group,
+		ClaimMode:          sqlbroker.ClaimMode(cfg.Mode),
+		MaxInFlight:        cfg.MaxInFlight,
+		LeaseTTL:           cfg.LeaseTTL,
+		LeaseRenewInterval: cfg.Renew,
+		PollInterval:       cfg.Poll,
+		RetryInterval:      cfg.Retry,
+		CloseTimeout:       5 * time.Second,
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "subscriber:", err)
+		return 2
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "router:", err)
+		return 2
+	}
+	hook := sqlbroker.NewRouterHook(broker, sqlbroker.RouterHookConfig{CloseTimeout: 5 * time.Second})
+	router.AddPlugin(hook.Plugin)
+	// The Router recovers a handler's panic itself and nacks the message. The timeout is
+	// middleware.Timeout's, written out: that package pulls in a backoff module the library
+	// does not otherwise need.
+	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			tctx, cancel := context.WithTimeout(msg.Context(), cfg.Timeout)
+			defer cancel()
+			msg.SetContext(tctx)
+			return h(msg)
+		}
+	})
+	router.AddNoPublisherHandler("chaos", cfg.Topic, sub, func(msg *message.Message) error {
+		attempt, _ := strconv.Atoi(msg.Metadata.Get(sqlbroker.MetadataAttempt))
+		switch string(msg.Payload) {
+		case probeHold:
+			if attempt == 1 {
+				if err := record(msg, "seen"); err != nil {
+					return err
+				}
+				<-ctx.Done() // held until the process is killed or stopped, whatever the handler timeout
+				return ctx.Err()
+			}
+			return record(msg, "done")
+		case probePing:
+			return record(msg, "done")
+		}
+		if cfg.Faults {
+			switch faultOf(msg.UUID, attempt) {
+			case "panic":
+				panic("chaos: the handler panics on attempt 1")
+			case "nack":
+				return errors.New("chaos: the handler fails on attempts 1 and 2")
+			case "timeout":
+				<-msg.Context().Done()
+				return fmt.Errorf("chaos: the handler timed out: %w", context.Cause(msg.Context()))
+			}
+			time.Sleep(time.Duration(rand.IntN(5)) * time.Millisecond) // some work, so that handlers overlap
+		}
+		return record(msg, "done")
+	})
+
+	var wg sync.WaitGroup
+	statsDone := make(chan struct{})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-t.C:
+				printReport("CHAOS-STATS", consumerReport{ID: cfg.ID, Stats: sub.Stats()})
+			case <-statsDone:
+				return
+			}
+		}
+	}()
+	go func() {
+		select {
+		case <-router.Running():
+			fmt.Println("CHAOS-READY " + cfg.ID)
+		case <-ctx.Done():
+		}
+	}()
+	runErr := router.Run(ctx)
+	close(statsDone)
+	wg.Wait()
+
+	out := consumerReport{ID: cfg.ID, Stats: sub.Stats()}
+	rep, herr := hook.Report()
+	if errors.Is(herr, sqlbroker.ErrNotShutDown) {
+		// Run failed before the handler ran (Subscribe failed: a connection terminated while
+		// it checked the tables), so the hook had nothing to drain and never shut the broker
+		// down: the application does it.
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		rep, herr = broker.Shutdown(sctx)
+		cancel()
+	}
+	out.Report = rep
+	if herr != nil {
+		out.ShutdownErr = herr.Error()
+	}
+	if runErr != nil {
+		out.RunErr = runErr.Error()
+	}
+	// What the shutdown left: the server ends a closed connection's backend a moment later.
+	app := appName(cfg.URL)
+	qctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for {
+		err := rec.QueryRow(qctx, `SELECT count(*), (SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+			WHERE l.locktype = 'advisory' AND a.application_name = $1)
+			FROM pg_stat_activity WHERE application_name = $1`, app).Scan(&out.ConnsLeft, &out.LocksLeft)
+		if err != nil {
+			out.ShutdownErr += "; counting what was left: " + err.Error()
+			break
+		}
+		if out.ConnsLeft == 0 && out.LocksLeft == 0 || qctx.Err() != nil {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	printReport("CHAOS-FINAL", out)
+	if runErr != nil {
+		return exitRunFailed
+	}
+	return 0
+}
+
+// exitRunFailed is the exit code of a consumer whose Router could not run (a supervisor
+// restarts it).
+const exitRunFailed = 3
+
+// appName is the application_name of a URL.
+func appName(u string) string {
+	_, q, _ := strings.Cut(u, "?")
+	for _, kv := range strings.Split(q, "&") {
+		if v, ok := strings.CutPrefix(kv, "application_name="); ok {
+			return v
+		}
+	}
+	return ""
+}
