@@ -47,6 +47,9 @@ type RouterHookConfig struct {
 //	err := router.Run(ctx)
 //	report, shutdownErr := hook.Report()
 //
+// If router.Run fails before it runs (a Subscribe error), no subscription ever stops and the
+// hook never shuts the owner down: call the owner's Shutdown yourself in that case.
+//
 // The order: the Router stops the subscriptions (claims not yet handed to a handler are given
 // back at once) and the handlers in work finish, up to CloseTimeout, while their leases are
 // still extended; then the owner shuts down (claim loops and lease extension stop, locks are
@@ -117,8 +120,11 @@ func (h *RouterHook) drained() {
 	}
 }
 
+// shutdown runs the owner's shutdown with what is left of CloseTimeout since the first
+// subscription stopped, and at least the margin.
 func (h *RouterHook) shutdown() {
-	ctx, cancel := context.WithTimeout(context.Background(), h.margin())
+	budget := max(time.Until(h.drainDeadline())+h.margin(), h.margin())
+	ctx, cancel := context.WithTimeout(context.Background(), budget)
 	defer cancel()
 	h.report, h.err = h.owner.Shutdown(ctx)
 	close(h.done)

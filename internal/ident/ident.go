@@ -94,8 +94,9 @@ func Qualified(schema, name string) string {
 }
 
 // TableName builds the table name prefix+topic+suffix. When that would pass PostgreSQL's 63-byte
-// limit, the topic part is cut and followed by 12 hex digits of the SHA-256 of the whole topic,
-// so distinct topics keep distinct tables.
+// limit, the topic part is cut and followed by "#" and 12 hex digits of the SHA-256 of the
+// whole topic, so distinct topics keep distinct tables: "#" cannot appear in a topic, so a
+// short topic can never spell out a long one's shortened name (table names are always quoted).
 func TableName(prefix, topic, suffix string) string {
 	name := prefix + topic + suffix
 	if len(name) <= MaxIdentifierLength {
@@ -107,5 +108,5 @@ func TableName(prefix, topic, suffix string) string {
 	if keep < 0 {
 		keep = 0
 	}
-	return prefix + topic[:keep] + "_" + hash + suffix
+	return prefix + topic[:keep] + "#" + hash + suffix
 }

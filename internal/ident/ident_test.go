@@ -51,3 +51,13 @@ func TestQuote(t *testing.T) {
 		t.Fatalf("got %s", got)
 	}
 }
+
+// A short topic that spells out a long topic's shortened name must not share its tables.
+func TestTableName_shortTopicCannotSpellALongOne(t *testing.T) {
+	long := strings.Repeat("a", 100)
+	name := TableName("sqlbroker_", long, "_messages")
+	stem := strings.TrimSuffix(strings.TrimPrefix(name, "sqlbroker_"), "_messages")
+	if err := ValidateName("topic", stem); err == nil && TableName("sqlbroker_", stem, "_messages") == name {
+		t.Fatalf("topic %q shares the tables of a 100-byte topic: %q", stem, name)
+	}
+}
