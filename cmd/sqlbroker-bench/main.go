@@ -27,7 +27,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"runtime/pprof"
 	"strings"
 	"time"
 )
@@ -82,7 +81,7 @@ func parseFlags() (*config, error) {
 	flag.IntVar(&c.payloadSize, "payload", 256, "payload bytes per message")
 	flag.DurationVar(&c.timeout, "timeout", 60*time.Minute, "bound on the whole run")
 	flag.StringVar(&c.svgPath, "svg", "", "write an SVG bar chart of the results to this path")
-	flag.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this path")
+	flag.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of each contender's timed drain (scenario 1) to this path, the contender's name inserted before the extension")
 	flag.BoolVar(&c.verbose, "v", false, "log progress to stderr")
 	flag.BoolVar(&c.traceSQL, "trace-sql", false, "time every statement on the client side (pgx tracer) and print a table per contender and scenario; slows the run a little")
 	drainN := flag.Int("n", 100_000, "scenario 1: backlog to drain")
@@ -184,20 +183,6 @@ func run() error {
 	defer cancel()
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt)
 	defer stop()
-
-	if cfg.cpuProfile != "" {
-		f, err := os.Create(cfg.cpuProfile)
-		if err != nil {
-			return fmt.Errorf("-cpuprofile: %w", err)
-		}
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return fmt.Errorf("-cpuprofile: %w", err)
-		}
-		defer func() {
-			pprof.StopCPUProfile()
-			_ = f.Close()
-		}()
-	}
 
 	b, err := newBench(ctx, cfg)
 	if err != nil {

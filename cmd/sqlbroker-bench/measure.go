@@ -5,7 +5,9 @@ import (
 	"crypto/rand"
 	"fmt"
 	"os"
+	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -186,3 +188,29 @@ func sortDurations(d []time.Duration) { slices.Sort(d) }
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
 func mib(b uint64) float64 { return float64(b) / (1 << 20) }
+
+// profilePath inserts the contender's name before the extension of path.
+func profilePath(path string, c contender) string {
+	ext := filepath.Ext(path)
+	return strings.TrimSuffix(path, ext) + "-" + c.String() + ext
+}
+
+// startProfile starts a CPU profile to path and returns what stops it; a failure to start is
+// noted and profiling is skipped.
+func startProfile(path string, b *bench) func() error {
+	f, err := os.Create(path)
+	if err != nil {
+		b.results.note(fmt.Sprintf("CPU profile: %v", err))
+		return nil
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		_ = f.Close()
+		b.results.note(fmt.Sprintf("CPU profile %s: %v", path, err))
+		return nil
+	}
+	b.logf("  CPU profile to %s", path)
+	return func() error {
+		pprof.StopCPUProfile()
+		return f.Close()
+	}
+}

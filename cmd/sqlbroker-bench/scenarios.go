@@ -60,6 +60,7 @@ type routerRun struct {
 	window      time.Duration // stop after this long; 0 = no window
 	drain       bool          // wait until the database shows every message settled
 	onStart     func()        // called right before the Router runs
+	onStop      func()        // called when the stop condition is met, before the Router closes
 }
 
 type routerResult struct {
@@ -135,6 +136,9 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 	}
 	res.elapsed = time.Since(start)
 	res.handled = handled.Load()
+	if r.onStop != nil {
+		r.onStop()
+	}
 	res.cpu = cpuBetween(before, snapCPU(ctx, b.admin, e.c.appName()))
 
 	_ = router.Close()
@@ -166,7 +170,21 @@ func scenarioDrain(ctx context.Context, b *bench, c contender) error {
 	if b.cfg.traceSQL {
 		sqlTracer.reset(c.appName())
 	}
-	res, err := b.runRouter(ctx, e, topic, routerRun{instances: 1, stopAt: b.cfg.drainN, drain: true})
+	var stopProfile func() error
+	res, err := b.runRouter(ctx, e, topic, routerRun{instances: 1, stopAt: b.cfg.drainN, drain: true,
+		onStart: func() {
+			if b.cfg.cpuProfile != "" {
+				stopProfile = startProfile(profilePath(b.cfg.cpuProfile, c), b)
+			}
+		},
+		onStop: func() {
+			if stopProfile != nil {
+				if err := stopProfile(); err != nil {
+					b.results.note(fmt.Sprintf("%s, scenario 1: CPU profile: %v", c, err))
+				}
+			}
+		},
+	})
 	if err != nil {
 		return err
 	}
