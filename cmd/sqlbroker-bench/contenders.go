@@ -9,6 +9,7 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
@@ -73,13 +74,42 @@ func openEnv(ctx context.Context, cfg *config, c contender) (*env, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: pool: %w", c, err)
 	}
-	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	if err := pool.Ping(pctx); err != nil {
+	if err := warm(ctx, pool, cfg.poolSize); err != nil {
 		pool.Close()
 		return nil, fmt.Errorf("%s: connect to %s: %w", c, redact(cfg.url), err)
 	}
 	return &env{c: c, cfg: cfg, pool: pool, db: dbx.NewPgxPool(pool)}, nil
+}
+
+// warm opens all n connections of the pool before anything is timed, so that no contender pays
+// for connecting inside a measurement, and so that a server short of connection slots (other
+// clients on a shared machine) is waited for here, up to two minutes, instead of failing a run.
+func warm(ctx context.Context, pool *pgxpool.Pool, n int) error {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	conns := make([]*pgxpool.Conn, 0, n)
+	defer func() {
+		for _, c := range conns {
+			c.Release()
+		}
+	}()
+	for len(conns) < n {
+		c, err := pool.Acquire(ctx)
+		if err == nil {
+			conns = append(conns, c)
+			continue
+		}
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "53300" { // too_many_connections
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%d of %d connections after waiting for free slots: %w", len(conns), n, err)
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+	return nil
 }
 
 func (e *env) close() { e.pool.Close() }

@@ -258,14 +258,14 @@ func (r *results) svg(cs []contender) string {
 			if d.lowerBetter {
 				adv = 1 / v
 			}
-			bars = append(bars, bar{c: c, adv: adv, raw: fmt.Sprintf("%s %s vs %s", r.show(d.id, c), d.unit, r.show(d.id, watermillSQL))})
+			bars = append(bars, bar{c: c, adv: adv, raw: fmt.Sprintf("%s vs %s %s", r.show(d.id, c), r.show(d.id, watermillSQL), d.unit)})
 		}
 		if len(bars) > 0 {
 			lines = append(lines, line{label: d.id + "  " + strings.TrimSpace(d.name), bars: bars})
 		}
 	}
 	const (
-		width   = 980
+		width   = 1060
 		labelW  = 360
 		plotW   = 440
 		barH    = 14
