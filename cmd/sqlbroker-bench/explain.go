@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -33,7 +34,83 @@ func (b *bench) explainClaim(ctx context.Context, topic, label string, atTail bo
 	b.mu.Unlock()
 }
 
+// explainPeer records the plan of watermill-sql's select, like explainClaim.
+func (b *bench) explainPeer(ctx context.Context, topic, label string) {
+	plan, err := explainWsqlSelect(ctx, b.cfg.url, topic)
+	if err != nil {
+		b.results.note(fmt.Sprintf("EXPLAIN of watermill-sql's select (%s) failed: %v", label, err))
+		return
+	}
+	b.mu.Lock()
+	b.plans = append(b.plans, fmt.Sprintf("Plan of watermill-sql's select, %s (auto_explain, ANALYZE, BUFFERS; rolled back):\n\n```\n%s\n```\n", label, plan))
+	b.mu.Unlock()
+}
+
 func explainClaimPlan(ctx context.Context, url, topic string, atTail bool) (string, error) {
+	return explainIn(ctx, url, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		store := offsets.NewStore(libTables(topic))
+		q := dbx.PgxTx(tx)
+		gid, err := store.EnsureGroup(ctx, q, group, false)
+		if err != nil {
+			return 0, fmt.Errorf("group: %w", err)
+		}
+		if atTail {
+			t := libTables(topic)
+			if _, err := tx.Exec(ctx, fmt.Sprintf(`UPDATE %s g SET last_xid = l.xid, last_offset = l."offset"
+				FROM (SELECT xid, "offset" FROM %s ORDER BY xid DESC, "offset" DESC LIMIT 1) l WHERE g.group_id = $1`,
+				t.Groups, t.Messages), gid); err != nil {
+				return 0, fmt.Errorf("move the group to the tail: %w", err)
+			}
+		}
+		return -1, nil // the statement to explain comes next
+	}, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		store := offsets.NewStore(libTables(topic))
+		q := dbx.PgxTx(tx)
+		gid, err := store.EnsureGroup(ctx, q, group, false)
+		if err != nil {
+			return 0, err
+		}
+		claimed, err := store.Claim(ctx, q, gid, 1, 30*time.Second, 100, nil)
+		return len(claimed), err
+	})
+}
+
+// explainWsqlSelect does the same for watermill-sql's select of the next batch, as its
+// subscriber runs it (REPEATABLE READ), with the consumer group at the head.
+func explainWsqlSelect(ctx context.Context, url, topic string) (string, error) {
+	oa, sa := wsqlOffsets(), wsqlSchema()
+	return explainIn(ctx, url, pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		before, err := oa.BeforeSubscribingQueries(wsql.BeforeSubscribingQueriesParams{Topic: topic, ConsumerGroup: group})
+		if err != nil {
+			return 0, err
+		}
+		for _, q := range before {
+			if _, err := tx.Exec(ctx, q.Query, q.Args...); err != nil {
+				return 0, err
+			}
+		}
+		return -1, nil
+	}, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		sel, err := sa.SelectQuery(wsql.SelectQueryParams{Topic: topic, ConsumerGroup: group, OffsetsAdapter: oa})
+		if err != nil {
+			return 0, err
+		}
+		rows, err := tx.Query(ctx, sel.Query, sel.Args...)
+		if err != nil {
+			return 0, err
+		}
+		n := 0
+		for rows.Next() {
+			n++
+		}
+		rows.Close()
+		return n, rows.Err()
+	})
+}
+
+// explainIn opens a session with auto_explain, runs setup and then stmt in one transaction
+// that is rolled back, and returns the plan of stmt.
+func explainIn(ctx context.Context, url string, opts pgx.TxOptions, setup, stmt func(context.Context, pgx.Tx) (int, error)) (string, error) {
 	cc, err := pgx.ParseConfig(url)
 	if err != nil {
 		return "", err
@@ -65,31 +142,20 @@ func explainClaimPlan(ctx context.Context, url, topic string, atTail bool) (stri
 			return "", fmt.Errorf("%s: %w (auto_explain needs the postgresql contrib modules and a superuser)", s, err)
 		}
 	}
-	tx, err := conn.Begin(ctx)
+	tx, err := conn.BeginTx(ctx, opts)
 	if err != nil {
 		return "", err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
-	store := offsets.NewStore(libTables(topic))
-	q := dbx.PgxTx(tx)
-	gid, err := store.EnsureGroup(ctx, q, group, false)
-	if err != nil {
-		return "", fmt.Errorf("group: %w", err)
-	}
-	if atTail {
-		t := libTables(topic)
-		if _, err := tx.Exec(ctx, fmt.Sprintf(`UPDATE %s g SET last_xid = l.xid, last_offset = l."offset"
-			FROM (SELECT xid, "offset" FROM %s ORDER BY xid DESC, "offset" DESC LIMIT 1) l WHERE g.group_id = $1`,
-			t.Groups, t.Messages), gid); err != nil {
-			return "", fmt.Errorf("move the group to the tail: %w", err)
-		}
+	if _, err := setup(ctx, tx); err != nil {
+		return "", err
 	}
 	mu.Lock()
 	notices = nil
 	mu.Unlock()
-	claimed, err := store.Claim(ctx, q, gid, 1, 30*time.Second, 100, nil)
+	claimed, err := stmt(ctx, tx)
 	if err != nil {
-		return "", fmt.Errorf("claim: %w", err)
+		return "", fmt.Errorf("statement: %w", err)
 	}
 	// auto_explain reports a statement when its portal is dropped: in a transaction block that
 	// is when the next statement starts. Run one, then take the largest plan seen since the
@@ -108,7 +174,7 @@ func explainClaimPlan(ctx context.Context, url, topic string, atTail bool) (stri
 	if best == "" {
 		return "", fmt.Errorf("auto_explain sent no plan (%d notices)", len(notices))
 	}
-	return fmt.Sprintf("claimed %d rows\n%s", len(claimed), best), nil
+	return fmt.Sprintf("returned %d rows\n%s", claimed, best), nil
 }
 
 // planOnly cuts the query text out of an auto_explain message: the plan starts at the first

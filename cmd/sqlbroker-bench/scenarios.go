@@ -524,6 +524,9 @@ func scenarioMemory(ctx context.Context, b *bench, c contender) error {
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 6, %s, %d rows, group at the head", c, b.cfg.memoryN), false)
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 6, %s, %d rows, group at the tail", c, b.cfg.memoryN), true)
 	}
+	if b.cfg.explain && c == watermillSQL {
+		b.explainPeer(ctx, topic, fmt.Sprintf("scenario 6, watermill-sql, %d rows, group at the head", b.cfg.memoryN))
+	}
 	var sampler *memSampler
 	res, err := b.runRouter(ctx, e, topic, routerRun{
 		instances: 1, stopAt: b.cfg.memoryN, drain: true, window: b.cfg.memoryCap,
