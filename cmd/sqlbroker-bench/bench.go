@@ -1,0 +1,180 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// bench holds what the scenarios share: the configuration, a small admin pool (for
+// pg_stat_activity, plans and clean-up; never used by a contender), the results and the topics
+// to drop.
+type bench struct {
+	cfg     *config
+	admin   *pgxpool.Pool
+	runID   string
+	payload []byte
+	results *results
+
+	mu     sync.Mutex
+	topics map[contender][]string
+	plans  []string
+	traces []string
+}
+
+func newBench(ctx context.Context, cfg *config) (*bench, error) {
+	pc, err := pgxpool.ParseConfig(cfg.url)
+	if err != nil {
+		return nil, fmt.Errorf("-url: %w", err)
+	}
+	pc.MaxConns = 2
+	pc.ConnConfig.RuntimeParams["application_name"] = "sqlbroker-bench-admin"
+	admin, err := pgxpool.NewWithConfig(ctx, pc)
+	if err != nil {
+		return nil, fmt.Errorf("connect: %w", err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := admin.Ping(pctx); err != nil {
+		admin.Close()
+		return nil, fmt.Errorf("connect to %s: %w", redact(cfg.url), err)
+	}
+	id := make([]byte, 3)
+	_, _ = rand.Read(id)
+	return &bench{
+		cfg:     cfg,
+		admin:   admin,
+		runID:   hex.EncodeToString(id),
+		payload: newPayload(cfg.payloadSize),
+		results: &results{defs: rowDefs(cfg)},
+		topics:  map[contender][]string{},
+	}, nil
+}
+
+// topic returns a new unique topic for c and remembers it for the clean-up.
+func (b *bench) topic(c contender, scenario string) string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	t := fmt.Sprintf("bench_%s_%s_%d_%s", b.runID, scenario, len(b.topics[c]), strings.ReplaceAll(c.String(), "-", "_"))
+	b.topics[c] = append(b.topics[c], t)
+	return t
+}
+
+// dropTopic drops one topic's tables at once, so that a large backlog does not stay on the
+// disk for the rest of the run.
+func (b *bench) dropTopic(c contender, topic string) {
+	if err := dropTables(b.cfg.url, map[contender][]string{c: {topic}}); err != nil {
+		b.logf("%v", err)
+	}
+}
+
+func (b *bench) cleanup() {
+	b.mu.Lock()
+	topics := b.topics
+	b.mu.Unlock()
+	if err := dropTables(b.cfg.url, topics); err != nil {
+		fmt.Fprintln(os.Stderr, "sqlbroker-bench: clean-up:", err)
+	}
+	b.admin.Close()
+}
+
+func (b *bench) logf(format string, args ...any) {
+	if b.cfg.verbose {
+		fmt.Fprintf(os.Stderr, time.Now().Format("15:04:05 ")+format+"\n", args...)
+	}
+}
+
+// describe prints the machine and the sizes, so that the output stands on its own.
+func (b *bench) describe() {
+	var pgVersion string
+	_ = b.admin.QueryRow(context.Background(), "SHOW server_version").Scan(&pgVersion)
+	host, _ := os.Hostname()
+	fmt.Printf("# sqlbroker-bench\n\n")
+	fmt.Printf("- date: %s\n", time.Now().UTC().Format(time.RFC3339))
+	fmt.Printf("- host: %s, %s/%s, %d CPUs (GOMAXPROCS %d), %s\n", host, runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), memTotal())
+	fmt.Printf("- PostgreSQL %s at %s; Go %s\n", pgVersion, redact(b.cfg.url), runtime.Version())
+	fmt.Printf("- command: %s\n", strings.Join(os.Args, " "))
+	c := b.cfg
+	fmt.Printf("- sizes: payload %d B, pool %d conns per contender, drain %d, slow backlog %d over %s (handler %s), "+
+		"instances MaxInFlight %d, latency %d msg/s for %s, publish %d batched + %d single (%d goroutines), memory %d (cap %s), raw %d + %d single\n\n",
+		c.payloadSize, c.poolSize, c.drainN, c.slowBacklog, c.slowDuration, c.slowHandler, c.instInFlight,
+		c.latencyRate, c.latencyDuration, c.publishBatchN, c.publishSingleN, c.publishWorkers, c.memoryN, c.memoryCap, c.rawN, c.rawSingleN)
+}
+
+func memTotal() string {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return "memory unknown"
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(l, "MemTotal:") {
+			var kb int64
+			fmt.Sscanf(strings.TrimSpace(strings.TrimPrefix(l, "MemTotal:")), "%d", &kb)
+			return fmt.Sprintf("%.1f GiB RAM", float64(kb)/(1<<20))
+		}
+	}
+	return "memory unknown"
+}
+
+type scenarioFunc func(ctx context.Context, b *bench, c contender) error
+
+var scenarioFuncs = map[int]scenarioFunc{
+	1: scenarioDrain,
+	2: scenarioSlow,
+	3: scenarioInstances,
+	4: scenarioLatency,
+	5: scenarioPublish,
+	6: scenarioMemory,
+	7: scenarioRaw,
+}
+
+// runScenarios runs every selected scenario for every contender. A contender's failure is
+// recorded in the table and the run goes on; only the run's own deadline stops it.
+func (b *bench) runScenarios(ctx context.Context) error {
+	var ids []int
+	for id := range b.cfg.scenarios {
+		ids = append(ids, id)
+	}
+	sort.Ints(ids)
+	var errs []error
+	for _, id := range ids {
+		for _, c := range b.cfg.contenders {
+			if err := ctx.Err(); err != nil {
+				return errors.Join(append(errs, context.Cause(ctx))...)
+			}
+			b.logf("scenario %d, %s: start", id, c)
+			start := time.Now()
+			err := scenarioFuncs[id](ctx, b, c)
+			switch {
+			case err == nil:
+				b.logf("scenario %d, %s: done in %s", id, c, time.Since(start).Round(time.Millisecond))
+			case errors.Is(err, errNA):
+				b.logf("scenario %d, %s: n/a: %v", id, c, err)
+				b.results.markScenario(id, c, "n/a")
+				b.results.note(fmt.Sprintf("%s, scenario %d: n/a: %v", c, id, err))
+			default:
+				b.logf("scenario %d, %s: failed: %v", id, c, err)
+				b.results.failScenario(id, c, err)
+				errs = append(errs, fmt.Errorf("scenario %d, %s: %w", id, c, err))
+			}
+			if b.cfg.traceSQL {
+				if t := sqlTracer.report(c.appName(), fmt.Sprintf("%s, scenario %d", c, id), time.Since(start)); t != "" {
+					b.mu.Lock()
+					b.traces = append(b.traces, t)
+					b.mu.Unlock()
+				}
+			}
+		}
+	}
+	return errors.Join(errs...)
+}

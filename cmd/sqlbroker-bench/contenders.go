@@ -1,0 +1,267 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+)
+
+// contender is one of the things measured: the library in one claim mode, or watermill-sql.
+type contender int
+
+const (
+	lease contender = iota
+	advisory
+	watermillSQL
+)
+
+var contenderNames = [...]string{lease: "lease", advisory: "advisory", watermillSQL: "watermill-sql"}
+
+func (c contender) String() string { return contenderNames[c] }
+
+func contenderByName(s string) (contender, bool) {
+	for i, n := range contenderNames {
+		if n == s {
+			return contender(i), true
+		}
+	}
+	return 0, false
+}
+
+func (c contender) isLibrary() bool { return c != watermillSQL }
+
+// appName marks the contender's server backends in pg_stat_activity, so that their CPU time can
+// be read from /proc.
+func (c contender) appName() string { return "sqlbroker-bench-" + c.String() }
+
+// errNA says that a contender cannot run a scenario (the advisory claim mode while it is not
+// available yet); the table shows "n/a".
+var errNA = errors.New("not available")
+
+const group = "bench"
+
+// env is one contender's pool for one scenario: every scenario starts from a fresh pool of the
+// same size for every contender, so no contender inherits another's connections or caches.
+type env struct {
+	c    contender
+	cfg  *config
+	pool *pgxpool.Pool
+	db   *dbx.PgxPool
+}
+
+func openEnv(ctx context.Context, cfg *config, c contender) (*env, error) {
+	pc, err := pgxpool.ParseConfig(cfg.url)
+	if err != nil {
+		return nil, fmt.Errorf("-url: %w", err)
+	}
+	pc.MaxConns = int32(cfg.poolSize)
+	pc.ConnConfig.RuntimeParams["application_name"] = c.appName()
+	if cfg.traceSQL {
+		pc.ConnConfig.Tracer = sqlTracer
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
+	if err != nil {
+		return nil, fmt.Errorf("%s: pool: %w", c, err)
+	}
+	if err := warm(ctx, pool, cfg.poolSize); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("%s: connect to %s: %w", c, redact(cfg.url), err)
+	}
+	return &env{c: c, cfg: cfg, pool: pool, db: dbx.NewPgxPool(pool)}, nil
+}
+
+// warm opens all n connections of the pool before anything is timed, so that no contender pays
+// for connecting inside a measurement, and so that a server short of connection slots (other
+// clients on a shared machine) is waited for here, up to two minutes, instead of failing a run.
+func warm(ctx context.Context, pool *pgxpool.Pool, n int) error {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	conns := make([]*pgxpool.Conn, 0, n)
+	defer func() {
+		for _, c := range conns {
+			c.Release()
+		}
+	}()
+	for len(conns) < n {
+		c, err := pool.Acquire(ctx)
+		if err == nil {
+			conns = append(conns, c)
+			continue
+		}
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "53300" { // too_many_connections
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%d of %d connections after waiting for free slots: %w", len(conns), n, err)
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+func (e *env) close() { e.pool.Close() }
+
+// watermill-sql's adapters: its default PostgreSQL schema and offsets adapter, with a BYTEA
+// payload column (its default column type is JSON, which a binary payload cannot use).
+func wsqlSchema() wsql.DefaultPostgreSQLSchema {
+	return wsql.DefaultPostgreSQLSchema{GeneratePayloadType: func(string) string { return "BYTEA" }}
+}
+
+func wsqlOffsets() wsql.DefaultPostgreSQLOffsetsAdapter {
+	return wsql.DefaultPostgreSQLOffsetsAdapter{}
+}
+
+func libTables(topic string) offsets.Tables {
+	return offsets.NewTables("", sqlbroker.DefaultTablePrefix, topic)
+}
+
+// tableNames are the quoted names of the tables a contender creates for topic.
+func (c contender) tableNames(topic string) []string {
+	if c == watermillSQL {
+		return []string{wsqlSchema().MessagesTable(topic), wsqlOffsets().MessagesOffsetsTable(topic)}
+	}
+	t := libTables(topic)
+	return []string{t.Messages, t.Groups, t.Claims}
+}
+
+// createTopic creates the topic's tables before anything is timed.
+func (e *env) createTopic(ctx context.Context, topic string) error {
+	if e.c == watermillSQL {
+		sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(e.pool), wsql.SubscriberConfig{
+			ConsumerGroup: group, SchemaAdapter: wsqlSchema(), OffsetsAdapter: wsqlOffsets(),
+		}, nil)
+		if err != nil {
+			return err
+		}
+		defer sub.Close()
+		return sub.SubscribeInitialize(topic)
+	}
+	return libTables(topic).Create(ctx, e.db)
+}
+
+func (e *env) publisher() (message.Publisher, error) {
+	if e.c == watermillSQL {
+		return wsql.NewPublisher(wsql.BeginnerFromPgx(e.pool), wsql.PublisherConfig{SchemaAdapter: wsqlSchema()}, nil)
+	}
+	return sqlbroker.NewPublisher(sqlbroker.Pgx(e.pool), sqlbroker.PublisherConfig{}, nil)
+}
+
+// subscriber builds a subscriber of the bench consumer group. maxInFlight 0 keeps the library's
+// default; watermill-sql has no such setting (one message of a group is in flight at a time).
+func (e *env) subscriber(maxInFlight int) (message.Subscriber, error) {
+	switch e.c {
+	case watermillSQL:
+		return wsql.NewSubscriber(wsql.BeginnerFromPgx(e.pool), wsql.SubscriberConfig{
+			ConsumerGroup: group, SchemaAdapter: wsqlSchema(), OffsetsAdapter: wsqlOffsets(),
+		}, nil)
+	default:
+		mode := sqlbroker.ClaimLease
+		if e.c == advisory {
+			mode = sqlbroker.ClaimAdvisoryLock
+		}
+		s, err := sqlbroker.NewSubscriber(sqlbroker.Pgx(e.pool), sqlbroker.SubscriberConfig{
+			ConsumerGroup: group, ClaimMode: mode, MaxInFlight: maxInFlight,
+		}, nil)
+		if err != nil && e.c == advisory {
+			return nil, fmt.Errorf("%w: %v", errNA, err)
+		}
+		return s, err
+	}
+}
+
+// checkSubscriber tells early whether the contender can subscribe at all, before a backlog is
+// published for nothing.
+func (e *env) checkSubscriber() error {
+	s, err := e.subscriber(0)
+	if err != nil {
+		return err
+	}
+	return s.Close()
+}
+
+// drained reports whether the group has settled every message of the topic, read from the
+// database: the library has no claim left and its position at the last message; watermill-sql
+// has acked the last offset.
+func (e *env) drained(ctx context.Context, topic string) (bool, error) {
+	var ok bool
+	var q string
+	if e.c == watermillSQL {
+		q = fmt.Sprintf(`SELECT coalesce((SELECT offset_acked FROM %s WHERE consumer_group = $1), -1)
+			= coalesce((SELECT max("offset") FROM %s), 0)`,
+			wsqlOffsets().MessagesOffsetsTable(topic), wsqlSchema().MessagesTable(topic))
+	} else {
+		t := libTables(topic)
+		q = fmt.Sprintf(`WITH g AS (SELECT group_id, last_offset FROM %[2]s WHERE consumer_group = $1)
+			SELECT NOT EXISTS (SELECT 1 FROM %[1]s c, g WHERE c.group_id = g.group_id)
+			AND coalesce((SELECT last_offset FROM g), -1) = coalesce((SELECT max("offset") FROM %[3]s), 0)`,
+			t.Claims, t.Groups, t.Messages)
+	}
+	err := e.pool.QueryRow(ctx, q, group).Scan(&ok)
+	return ok, err
+}
+
+// waitDrained polls drained until it holds or limit passes.
+func (e *env) waitDrained(ctx context.Context, topic string, limit time.Duration) error {
+	deadline := time.Now().Add(limit)
+	for {
+		ok, err := e.drained(ctx, topic)
+		if err != nil {
+			return fmt.Errorf("check drained: %w", err)
+		}
+		if ok {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("messages handled, but not all settled in the database after %s", limit)
+		}
+		select {
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
+}
+
+// dropTables drops the tables of topics created by c, with a fresh bounded context so that it
+// runs also after the run's deadline has passed.
+func dropTables(url string, byContender map[contender][]string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return fmt.Errorf("drop tables: %w", err)
+	}
+	defer conn.Close(ctx)
+	var errs []error
+	for c, topics := range byContender {
+		for _, topic := range topics {
+			for _, t := range c.tableNames(topic) {
+				if _, err := conn.Exec(ctx, "DROP TABLE IF EXISTS "+t); err != nil {
+					errs = append(errs, fmt.Errorf("drop %s: %w", t, err))
+				}
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func redact(url string) string {
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return "(unparseable URL)"
+	}
+	return fmt.Sprintf("%s@%s:%d/%s", cfg.User, cfg.Host, cfg.Port, cfg.Database)
+}

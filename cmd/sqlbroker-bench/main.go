@@ -1,0 +1,220 @@
+// Command sqlbroker-bench measures watermill-sqlbroker, in both claim modes, side by side with
+// the official watermill-sql (v4, default PostgreSQL schema with a BYTEA payload, default
+// settings) on one PostgreSQL, in one run, and prints every figure with its ratio to
+// watermill-sql's figure from the same run. On a noisy machine only such ratios hold.
+//
+//	go run ./cmd/sqlbroker-bench -quick -svg docs/bench.svg
+//
+// Scenarios (select with -scenarios, by number or name):
+//
+//  1. drain:     drain a published backlog through a message.Router, no-op handler
+//  2. slow:      the same with a handler that sleeps 5 ms, 16 and 256 messages in flight,
+//     measured over a fixed duration
+//  3. instances: four Subscriber objects of one consumer group against one, 5 ms handler
+//  4. latency:   from Publish returning to the handler starting, at a steady rate
+//  5. publish:   batches of 100 per call, and one message per call from 16 goroutines
+//  6. memory:    peak heap while a large backlog drains, and EXPLAIN of the claim at that size
+//  7. raw:       the library's own insert and claim+ack statements in a tight loop, without
+//     Watermill or the library's goroutines
+//
+// Every topic gets a unique name and every table created is dropped at the end.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"strings"
+	"time"
+)
+
+type config struct {
+	url         string
+	poolSize    int
+	payloadSize int
+	timeout     time.Duration
+	svgPath     string
+	cpuProfile  string
+	scenarios   map[int]bool
+	contenders  []contender
+	verbose     bool
+	traceSQL    bool
+
+	drainN          int           // 1
+	slowBacklog     int           // 2, 3
+	slowDuration    time.Duration // 2, 3
+	slowHandler     time.Duration // 2, 3
+	instInFlight    int           // 3
+	latencyRate     int           // 4
+	latencyDuration time.Duration // 4
+	publishBatchN   int           // 5
+	publishSingleN  int           // 5
+	publishWorkers  int           // 5
+	memoryN         int           // 6
+	explain         bool          // 6
+	memoryCap       time.Duration // 6
+	rawN            int           // 7
+	rawSingleN      int           // 7
+}
+
+var scenarioNames = map[string]int{
+	"drain": 1, "slow": 2, "instances": 3, "latency": 4, "publish": 5, "memory": 6, "raw": 7,
+}
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "sqlbroker-bench:", err)
+		os.Exit(1)
+	}
+}
+
+func parseFlags() (*config, error) {
+	c := &config{}
+	quick := flag.Bool("quick", false, "CI-sized run: small backlogs and short durations (explicit size flags still win)")
+	scen := flag.String("scenarios", "1,2,3,4,5,6,7", "scenarios to run, by number or name (drain,slow,instances,latency,publish,memory,raw)")
+	cont := flag.String("contenders", "lease,advisory,watermill-sql", "contenders to run")
+	flag.StringVar(&c.url, "url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL")
+	flag.IntVar(&c.poolSize, "pool", 20, "connections in each contender's pool")
+	flag.IntVar(&c.payloadSize, "payload", 256, "payload bytes per message")
+	flag.DurationVar(&c.timeout, "timeout", 60*time.Minute, "bound on the whole run")
+	flag.StringVar(&c.svgPath, "svg", "", "write an SVG bar chart of the results to this path")
+	flag.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of each contender's timed drain (scenario 1) to this path, the contender's name inserted before the extension")
+	flag.BoolVar(&c.verbose, "v", false, "log progress to stderr")
+	flag.BoolVar(&c.traceSQL, "trace-sql", false, "time every statement on the client side (pgx tracer) and print a table per contender and scenario; slows the run a little")
+	drainN := flag.Int("n", 100_000, "scenario 1: backlog to drain")
+	slowBacklog := flag.Int("slow-backlog", 100_000, "scenarios 2, 3: backlog published before the timed window")
+	slowDuration := flag.Duration("slow-duration", 10*time.Second, "scenarios 2, 3: timed window")
+	flag.DurationVar(&c.slowHandler, "slow-handler", 5*time.Millisecond, "scenarios 2, 3: handler sleep")
+	flag.IntVar(&c.instInFlight, "instances-inflight", 16, "scenario 3: MaxInFlight of each library subscriber")
+	flag.IntVar(&c.latencyRate, "latency-rate", 100, "scenario 4: messages per second")
+	latencyDuration := flag.Duration("latency-duration", 20*time.Second, "scenario 4: how long to publish at that rate")
+	publishBatchN := flag.Int("publish-n", 100_000, "scenario 5: messages published in batches of 100")
+	publishSingleN := flag.Int("publish-single-n", 50_000, "scenario 5: messages published one per call")
+	flag.IntVar(&c.publishWorkers, "publish-workers", 16, "scenario 5: goroutines publishing one message per call")
+	memoryN := flag.Int("memory-n", 1_000_000, "scenario 6: backlog drained while memory is sampled")
+	memoryCap := flag.Duration("memory-cap", 10*time.Minute, "scenario 6: bound on each contender's drain")
+	flag.BoolVar(&c.explain, "explain", true, "scenario 6: log the plan of the library's claim statement at full size (auto_explain)")
+	rawN := flag.Int("raw-n", 100_000, "scenario 7: messages inserted in batches of 100, then claimed and acked")
+	rawSingleN := flag.Int("raw-single-n", 50_000, "scenario 7: messages inserted one per statement")
+	flag.Parse()
+
+	set := map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	// -quick shrinks every size and duration whose flag was not given explicitly.
+	pickInt := func(name string, v *int, q int) int {
+		if *quick && !set[name] {
+			return q
+		}
+		return *v
+	}
+	pickDur := func(name string, v *time.Duration, q time.Duration) time.Duration {
+		if *quick && !set[name] {
+			return q
+		}
+		return *v
+	}
+	c.drainN = pickInt("n", drainN, 10_000)
+	c.slowBacklog = pickInt("slow-backlog", slowBacklog, 20_000)
+	c.slowDuration = pickDur("slow-duration", slowDuration, 3*time.Second)
+	c.latencyDuration = pickDur("latency-duration", latencyDuration, 5*time.Second)
+	c.publishBatchN = pickInt("publish-n", publishBatchN, 20_000)
+	c.publishSingleN = pickInt("publish-single-n", publishSingleN, 5_000)
+	c.memoryN = pickInt("memory-n", memoryN, 100_000)
+	c.memoryCap = pickDur("memory-cap", memoryCap, 2*time.Minute)
+	c.rawN = pickInt("raw-n", rawN, 10_000)
+	c.rawSingleN = pickInt("raw-single-n", rawSingleN, 5_000)
+
+	c.scenarios = map[int]bool{}
+	for _, s := range strings.Split(*scen, ",") {
+		s = strings.TrimSpace(s)
+		if s == "" {
+			continue
+		}
+		if n, ok := scenarioNames[s]; ok {
+			c.scenarios[n] = true
+			continue
+		}
+		var n int
+		if _, err := fmt.Sscanf(s, "%d", &n); err != nil || n < 1 || n > 7 {
+			return nil, fmt.Errorf("-scenarios: %q is not a scenario (1-7 or drain,slow,instances,latency,publish,memory,raw)", s)
+		}
+		c.scenarios[n] = true
+	}
+	for _, s := range strings.Split(*cont, ",") {
+		s = strings.TrimSpace(s)
+		if s == "" {
+			continue
+		}
+		k, ok := contenderByName(s)
+		if !ok {
+			return nil, fmt.Errorf("-contenders: %q is not one of lease, advisory, watermill-sql", s)
+		}
+		c.contenders = append(c.contenders, k)
+	}
+	positive := map[string]int{
+		"pool": c.poolSize, "payload": c.payloadSize, "n": c.drainN, "slow-backlog": c.slowBacklog,
+		"instances-inflight": c.instInFlight, "latency-rate": c.latencyRate, "publish-n": c.publishBatchN,
+		"publish-single-n": c.publishSingleN, "publish-workers": c.publishWorkers, "memory-n": c.memoryN,
+		"raw-n": c.rawN, "raw-single-n": c.rawSingleN,
+	}
+	for name, v := range positive {
+		if v <= 0 {
+			return nil, fmt.Errorf("-%s (%d) must be positive", name, v)
+		}
+	}
+	for name, v := range map[string]time.Duration{"timeout": c.timeout, "slow-duration": c.slowDuration, "latency-duration": c.latencyDuration, "memory-cap": c.memoryCap} {
+		if v <= 0 {
+			return nil, fmt.Errorf("-%s (%s) must be positive", name, v)
+		}
+	}
+	return c, nil
+}
+
+func run() error {
+	cfg, err := parseFlags()
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeoutCause(context.Background(), cfg.timeout,
+		fmt.Errorf("the run took longer than -timeout %s", cfg.timeout))
+	defer cancel()
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt)
+	defer stop()
+
+	b, err := newBench(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer b.cleanup()
+
+	b.describe()
+	runErr := b.runScenarios(ctx)
+	if runErr != nil && errors.Is(runErr, context.DeadlineExceeded) {
+		runErr = fmt.Errorf("%w (%v)", runErr, context.Cause(ctx))
+	}
+
+	fmt.Println(b.results.markdown(cfg.contenders))
+	for _, n := range b.results.notes {
+		fmt.Println("- " + n)
+	}
+	if len(b.plans) > 0 {
+		fmt.Println()
+		for _, p := range b.plans {
+			fmt.Println(p)
+		}
+	}
+	for _, t := range b.traces {
+		fmt.Println()
+		fmt.Println(t)
+	}
+	if cfg.svgPath != "" {
+		if err := os.WriteFile(cfg.svgPath, []byte(b.results.svg(cfg.contenders)), 0o644); err != nil {
+			return errors.Join(runErr, fmt.Errorf("-svg: %w", err))
+		}
+		fmt.Fprintln(os.Stderr, "chart written to", cfg.svgPath)
+	}
+	return runErr
+}

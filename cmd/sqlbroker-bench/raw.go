@@ -1,0 +1,218 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+)
+
+// Scenario 7: the raw SQL limit. Each library's own statements, taken from its exported code
+// (offsets.Store for this library; the schema and offsets adapters for watermill-sql), run in a
+// tight loop on one pool, without Watermill and without the library's goroutines. The library's
+// figure beside its scenario 1 and 5 figures shows how much of what PostgreSQL allows it uses.
+func scenarioRaw(ctx context.Context, b *bench, c contender) error {
+	if c == advisory {
+		b.results.setText("7a", c, "= lease")
+		b.results.setText("7b", c, "= lease")
+		b.results.setText("7c", c, "n/a")
+		b.results.note("advisory, scenario 7: the inserts are the lease mode's; the advisory claim statements are not exported yet (n/a)")
+		return nil
+	}
+	e, err := openEnv(ctx, b.cfg, c)
+	if err != nil {
+		return err
+	}
+	defer e.close()
+	r := newRawOps(e)
+
+	// 7a: inserts of 100 rows, one goroutine; they also fill the table for 7c.
+	topic := b.topic(c, "raw")
+	defer b.dropTopic(c, topic)
+	if err := e.createTopic(ctx, topic); err != nil {
+		return err
+	}
+	msgs := newMessages(b.cfg.rawN, b.payload)
+	start := time.Now()
+	for i := 0; i < len(msgs); i += 100 {
+		if err := ctx.Err(); err != nil {
+			return context.Cause(ctx)
+		}
+		if err := r.insert(ctx, topic, msgs[i:min(i+100, len(msgs))]); err != nil {
+			return fmt.Errorf("insert at %d: %w", i, err)
+		}
+	}
+	b.results.set("7a", c, rate(int64(len(msgs)), time.Since(start)))
+
+	// 7c: claim 100 and ack them, one goroutine, until the table is drained.
+	start = time.Now()
+	n, err := r.drain(ctx, topic, len(msgs))
+	if err != nil {
+		return fmt.Errorf("claim+ack (%d of %d done): %w", n, len(msgs), err)
+	}
+	b.results.set("7c", c, rate(int64(n), time.Since(start)))
+
+	// 7b: one row per statement from many goroutines, on a fresh topic.
+	topic2 := b.topic(c, "rawsingle")
+	defer b.dropTopic(c, topic2)
+	if err := e.createTopic(ctx, topic2); err != nil {
+		return err
+	}
+	msgs = newMessages(b.cfg.rawSingleN, b.payload)
+	elapsed, err := parallel(ctx, b.cfg.publishWorkers, len(msgs), func(i int) error {
+		return r.insert(ctx, topic2, msgs[i:i+1])
+	})
+	if err != nil {
+		return err
+	}
+	b.results.set("7b", c, rate(int64(len(msgs)), elapsed))
+	return nil
+}
+
+// rawOps are one contender's statements, run directly on its pool.
+type rawOps struct {
+	e *env
+}
+
+func newRawOps(e *env) *rawOps { return &rawOps{e: e} }
+
+func (r *rawOps) insert(ctx context.Context, topic string, msgs []*message.Message) error {
+	if r.e.c == watermillSQL {
+		q, err := wsqlSchema().InsertQuery(wsql.InsertQueryParams{Topic: topic, Msgs: msgs})
+		if err != nil {
+			return err
+		}
+		_, err = r.e.pool.Exec(ctx, q.Query, q.Args...)
+		return err
+	}
+	rows := make([]offsets.Row, len(msgs))
+	for i, m := range msgs {
+		rows[i] = offsets.Row{UUID: m.UUID, Payload: m.Payload, Metadata: "{}"}
+	}
+	return offsets.NewStore(libTables(topic)).Insert(ctx, r.e.db, rows)
+}
+
+// drain claims and acks batches of 100 until want messages were settled. An empty claim while
+// messages remain means a transaction elsewhere in the cluster holds the xmin horizon back (both
+// libraries read only below it): it waits a little, bounded.
+func (r *rawOps) drain(ctx context.Context, topic string, want int) (int, error) {
+	claimOnce, err := r.claimAcker(ctx, topic)
+	if err != nil {
+		return 0, err
+	}
+	done := 0
+	idleSince := time.Time{}
+	for done < want {
+		if err := ctx.Err(); err != nil {
+			return done, context.Cause(ctx)
+		}
+		n, err := claimOnce()
+		if err != nil {
+			return done, err
+		}
+		done += n
+		if n > 0 {
+			idleSince = time.Time{}
+			continue
+		}
+		if idleSince.IsZero() {
+			idleSince = time.Now()
+		} else if time.Since(idleSince) > 30*time.Second {
+			return done, errors.New("no message claimable for 30s while some remain")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return done, nil
+}
+
+// claimAcker returns one claim+ack round: for the library, Store.Claim of 100 then Store.Ack of
+// what it claimed (two statements, no transaction, as the library runs them); for
+// watermill-sql, its select and offset ack in one REPEATABLE READ transaction, as its subscriber
+// runs them.
+func (r *rawOps) claimAcker(ctx context.Context, topic string) (func() (int, error), error) {
+	if r.e.c == watermillSQL {
+		oa, sa := wsqlOffsets(), wsqlSchema()
+		before, err := oa.BeforeSubscribingQueries(wsql.BeforeSubscribingQueriesParams{Topic: topic, ConsumerGroup: group})
+		if err != nil {
+			return nil, err
+		}
+		for _, q := range before {
+			if _, err := r.e.pool.Exec(ctx, q.Query, q.Args...); err != nil {
+				return nil, err
+			}
+		}
+		sel, err := sa.SelectQuery(wsql.SelectQueryParams{Topic: topic, ConsumerGroup: group, OffsetsAdapter: oa})
+		if err != nil {
+			return nil, err
+		}
+		return func() (int, error) {
+			tx, err := r.e.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+			if err != nil {
+				return 0, err
+			}
+			defer tx.Rollback(context.WithoutCancel(ctx))
+			rows, err := tx.Query(ctx, sel.Query, sel.Args...)
+			if err != nil {
+				return 0, err
+			}
+			var got []wsql.Row
+			for rows.Next() {
+				row, err := sa.UnmarshalMessage(wsql.UnmarshalMessageParams{Row: rows})
+				if err != nil {
+					rows.Close()
+					return 0, err
+				}
+				got = append(got, row)
+			}
+			rows.Close()
+			if err := rows.Err(); err != nil {
+				return 0, err
+			}
+			if len(got) == 0 {
+				return 0, tx.Commit(ctx)
+			}
+			ack, err := oa.AckMessageQuery(wsql.AckMessageQueryParams{Topic: topic, LastRow: got[len(got)-1], Rows: got, ConsumerGroup: group})
+			if err != nil {
+				return 0, err
+			}
+			if _, err := tx.Exec(ctx, ack.Query, ack.Args...); err != nil {
+				return 0, err
+			}
+			return len(got), tx.Commit(ctx)
+		}, nil
+	}
+
+	store := offsets.NewStore(libTables(topic))
+	gid, err := store.EnsureGroup(ctx, r.e.db, group, false)
+	if err != nil {
+		return nil, err
+	}
+	buf := make([]offsets.Claimed, 0, 100)
+	fs := make([]offsets.Fenced, 0, 100)
+	var token int64
+	return func() (int, error) {
+		token++
+		claimed, err := store.Claim(ctx, r.e.db, gid, token, 30*time.Second, 100, buf[:0])
+		if err != nil || len(claimed) == 0 {
+			return 0, err
+		}
+		fs = fs[:0]
+		for _, c := range claimed {
+			fs = append(fs, offsets.Fenced{Offset: c.Offset, Token: token})
+		}
+		acked, err := store.Ack(ctx, r.e.db, gid, fs)
+		if err != nil {
+			return 0, err
+		}
+		if len(acked) != len(fs) {
+			return 0, fmt.Errorf("ack applied %d of %d", len(acked), len(fs))
+		}
+		return len(claimed), nil
+	}, nil
+}

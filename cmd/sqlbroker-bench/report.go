@@ -1,0 +1,329 @@
+package main
+
+import (
+	"fmt"
+	"html"
+	"math"
+	"strings"
+	"sync"
+)
+
+// rowDef is one line of the table.
+type rowDef struct {
+	id          string
+	scenario    int
+	name        string
+	unit        string
+	lowerBetter bool
+}
+
+func rowDefs(c *config) []rowDef {
+	n := func(v int) string {
+		switch {
+		case v >= 1_000_000 && v%1_000_000 == 0:
+			return fmt.Sprintf("%dM", v/1_000_000)
+		case v >= 1000 && v%1000 == 0:
+			return fmt.Sprintf("%dk", v/1000)
+		}
+		return fmt.Sprint(v)
+	}
+	h := c.slowHandler.String()
+	return []rowDef{
+		{"1", 1, fmt.Sprintf("drain %s, no-op handler", n(c.drainN)), "msg/s", false},
+		{"1c", 1, "  client CPU per message", "µs", true},
+		{"1s", 1, "  server CPU per message", "µs", true},
+		{"2a", 2, fmt.Sprintf("%s handler, 16 in flight", h), "msg/s", false},
+		{"2b", 2, fmt.Sprintf("%s handler, 256 in flight", h), "msg/s", false},
+		{"3a", 3, fmt.Sprintf("%s handler, 1 subscriber (MaxInFlight %d)", h, c.instInFlight), "msg/s", false},
+		{"3b", 3, fmt.Sprintf("%s handler, 4 subscribers, one group", h), "msg/s", false},
+		{"3c", 3, "  4 subscribers / 1", "x", false},
+		{"4a", 4, fmt.Sprintf("latency p50 at %d msg/s, publisher in process", c.latencyRate), "ms", true},
+		{"4b", 4, fmt.Sprintf("latency p99 at %d msg/s, publisher in process", c.latencyRate), "ms", true},
+		{"4c", 4, fmt.Sprintf("latency p50 at %d msg/s, publisher elsewhere", c.latencyRate), "ms", true},
+		{"4d", 4, fmt.Sprintf("latency p99 at %d msg/s, publisher elsewhere", c.latencyRate), "ms", true},
+		{"5a", 5, "publish, batches of 100", "msg/s", false},
+		{"5b", 5, fmt.Sprintf("publish, 1 per call, %d goroutines", c.publishWorkers), "msg/s", false},
+		{"6a", 6, fmt.Sprintf("drain %s, no-op handler", n(c.memoryN)), "msg/s", false},
+		{"6b", 6, fmt.Sprintf("  peak HeapInuse while %s drain", n(c.memoryN)), "MiB", true},
+		{"6c", 6, fmt.Sprintf("  peak Sys while %s drain", n(c.memoryN)), "MiB", true},
+		{"7a", 7, "raw insert, batches of 100, 1 goroutine", "msg/s", false},
+		{"7b", 7, fmt.Sprintf("raw insert, 1 row, %d goroutines", c.publishWorkers), "msg/s", false},
+		{"7c", 7, "raw claim+ack, batches of 100, 1 goroutine", "msg/s", false},
+	}
+}
+
+// cell is one figure, or why there is none.
+type cell struct {
+	v    float64
+	ok   bool
+	text string // shown instead of a figure: "n/a", "error", "= lease"
+}
+
+type results struct {
+	mu    sync.Mutex
+	cells map[string]map[contender]cell
+	notes []string
+	defs  []rowDef
+}
+
+func (r *results) set(id string, c contender, v float64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.cells == nil {
+		r.cells = map[string]map[contender]cell{}
+	}
+	if r.cells[id] == nil {
+		r.cells[id] = map[contender]cell{}
+	}
+	r.cells[id][c] = cell{v: v, ok: true}
+}
+
+func (r *results) setText(id string, c contender, text string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.cells == nil {
+		r.cells = map[string]map[contender]cell{}
+	}
+	if r.cells[id] == nil {
+		r.cells[id] = map[contender]cell{}
+	}
+	if _, done := r.cells[id][c]; !done {
+		r.cells[id][c] = cell{text: text}
+	}
+}
+
+func (r *results) get(id string, c contender) (cell, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	x, ok := r.cells[id][c]
+	return x, ok
+}
+
+func (r *results) note(s string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.notes = append(r.notes, s)
+}
+
+// markScenario fills every row of scenario id that c has no figure for with text.
+func (r *results) markScenario(id int, c contender, text string) {
+	for _, d := range r.defs {
+		if d.scenario == id {
+			r.setText(d.id, c, text)
+		}
+	}
+}
+
+func (r *results) failScenario(id int, c contender, err error) {
+	r.markScenario(id, c, "error")
+	r.note(fmt.Sprintf("%s, scenario %d failed: %v", c, id, err))
+}
+
+func formatValue(v float64) string {
+	switch a := math.Abs(v); {
+	case a >= 100:
+		return fmt.Sprintf("%.0f", v)
+	case a >= 10:
+		return fmt.Sprintf("%.1f", v)
+	default:
+		return fmt.Sprintf("%.2f", v)
+	}
+}
+
+func formatRatio(v float64) string {
+	switch {
+	case v >= 10:
+		return fmt.Sprintf("%.0fx", v)
+	case v >= 0.1:
+		return fmt.Sprintf("%.2fx", v)
+	default:
+		return fmt.Sprintf("%.3fx", v)
+	}
+}
+
+// markdown renders the table: every library figure beside its ratio to watermill-sql's figure
+// in the same run (value / watermill-sql's value, whatever the direction of the unit).
+func (r *results) markdown(cs []contender) string {
+	var b strings.Builder
+	var libs []contender
+	hasPeer := false
+	for _, c := range cs {
+		if c.isLibrary() {
+			libs = append(libs, c)
+		} else {
+			hasPeer = true
+		}
+	}
+	b.WriteString("| # | scenario | unit | better |")
+	for _, c := range cs {
+		fmt.Fprintf(&b, " %s |", c)
+	}
+	if hasPeer {
+		for _, c := range libs {
+			fmt.Fprintf(&b, " %s / watermill-sql |", c)
+		}
+	}
+	b.WriteString("\n|---|---|---|---|")
+	for range cs {
+		b.WriteString("---:|")
+	}
+	if hasPeer {
+		for range libs {
+			b.WriteString("---:|")
+		}
+	}
+	b.WriteString("\n")
+	for _, d := range r.defs {
+		if !r.hasRow(d.id) {
+			continue
+		}
+		better := "higher"
+		if d.lowerBetter {
+			better = "lower"
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %s |", d.id, strings.TrimSpace(d.name), d.unit, better)
+		for _, c := range cs {
+			fmt.Fprintf(&b, " %s |", r.show(d.id, c))
+		}
+		if hasPeer {
+			for _, c := range libs {
+				fmt.Fprintf(&b, " %s |", r.ratio(d.id, c))
+			}
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+func (r *results) hasRow(id string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.cells[id]) > 0
+}
+
+func (r *results) show(id string, c contender) string {
+	x, ok := r.get(id, c)
+	switch {
+	case !ok:
+		return "-"
+	case x.ok:
+		return formatValue(x.v)
+	default:
+		return x.text
+	}
+}
+
+// ratioValue is c's figure over watermill-sql's for row id.
+func (r *results) ratioValue(id string, c contender) (float64, bool) {
+	x, ok1 := r.get(id, c)
+	p, ok2 := r.get(id, watermillSQL)
+	if !ok1 || !ok2 || !x.ok || !p.ok || p.v == 0 {
+		return 0, false
+	}
+	return x.v / p.v, true
+}
+
+func (r *results) ratio(id string, c contender) string {
+	if v, ok := r.ratioValue(id, c); ok {
+		return formatRatio(v)
+	}
+	return "-"
+}
+
+// svg draws, for every row, how many times better than watermill-sql each claim mode of the
+// library did (the ratio, inverted where lower is better), on a log scale, with watermill-sql
+// at 1x. Hand-written SVG: no dependency.
+func (r *results) svg(cs []contender) string {
+	type bar struct {
+		c   contender
+		adv float64
+		raw string
+	}
+	type line struct {
+		label string
+		bars  []bar
+	}
+	var lines []line
+	for _, d := range r.defs {
+		var bars []bar
+		for _, c := range cs {
+			if !c.isLibrary() {
+				continue
+			}
+			v, ok := r.ratioValue(d.id, c)
+			if !ok || v <= 0 {
+				continue
+			}
+			adv := v
+			if d.lowerBetter {
+				adv = 1 / v
+			}
+			bars = append(bars, bar{c: c, adv: adv, raw: fmt.Sprintf("%s vs %s %s", r.show(d.id, c), r.show(d.id, watermillSQL), d.unit)})
+		}
+		if len(bars) > 0 {
+			lines = append(lines, line{label: d.id + "  " + strings.TrimSpace(d.name), bars: bars})
+		}
+	}
+	const (
+		width   = 1060
+		labelW  = 360
+		plotW   = 440
+		barH    = 14
+		gap     = 10
+		top     = 70
+		minLog  = -2.0 // 0.01x
+		maxLog  = 3.0  // 1000x
+		leftPad = 10
+	)
+	colors := map[contender]string{lease: "#2b6cb0", advisory: "#38a169"}
+	height := top + 40
+	for _, l := range lines {
+		height += len(l.bars)*barH + gap
+	}
+	x := func(adv float64) float64 {
+		lg := math.Log10(adv)
+		lg = math.Max(minLog, math.Min(maxLog, lg))
+		return labelW + (lg-minLog)/(maxLog-minLog)*plotW
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", width, height)
+	fmt.Fprintf(&b, `<rect width="100%%" height="100%%" fill="white"/>`+"\n")
+	fmt.Fprintf(&b, `<text x="%d" y="22" font-size="15" font-weight="bold">watermill-sqlbroker vs watermill-sql (same run): times better, log scale</text>`+"\n", leftPad)
+	fmt.Fprintf(&b, `<text x="%d" y="40" fill="#555">bar = library figure / watermill-sql figure (inverted where lower is better); the red line is watermill-sql (1x)</text>`+"\n", leftPad)
+	lx := leftPad
+	for _, c := range cs {
+		if col, ok := colors[c]; ok {
+			fmt.Fprintf(&b, `<rect x="%d" y="48" width="12" height="12" fill="%s"/><text x="%d" y="58">%s</text>`+"\n", lx, col, lx+16, c)
+			lx += 110
+		}
+	}
+	// Grid.
+	for lg := minLog; lg <= maxLog; lg++ {
+		gx := labelW + (lg-minLog)/(maxLog-minLog)*plotW
+		stroke := "#ddd"
+		if lg == 0 {
+			stroke = "#c53030"
+		}
+		fmt.Fprintf(&b, `<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="%s"/>`+"\n", gx, top-4, gx, height-30, stroke)
+		fmt.Fprintf(&b, `<text x="%.1f" y="%d" text-anchor="middle" fill="#555">%gx</text>`+"\n", gx, height-14, math.Pow(10, lg))
+	}
+	y := top
+	for _, l := range lines {
+		blockH := len(l.bars) * barH
+		fmt.Fprintf(&b, `<text x="%d" y="%d">%s</text>`+"\n", leftPad, y+blockH/2+4, html.EscapeString(l.label))
+		for i, br := range l.bars {
+			by := y + i*barH
+			x0, x1 := x(1), x(br.adv)
+			if x1 < x0 {
+				x0, x1 = x1, x0
+			}
+			fmt.Fprintf(&b, `<rect x="%.1f" y="%d" width="%.1f" height="%d" fill="%s"><title>%s: %s</title></rect>`+"\n",
+				x0, by+1, math.Max(x1-x0, 1), barH-2, colors[br.c], br.c, html.EscapeString(br.raw))
+			fmt.Fprintf(&b, `<text x="%d" y="%d" font-size="10" fill="#333">%s (%s)</text>`+"\n",
+				labelW+plotW+8, by+barH-3, formatRatio(br.adv), html.EscapeString(br.raw))
+		}
+		y += blockH + gap
+	}
+	b.WriteString("</svg>\n")
+	return b.String()
+}
