@@ -48,7 +48,7 @@ func (b *bench) explainPeer(ctx context.Context, topic, label string) {
 
 func explainClaimPlan(ctx context.Context, url, topic string, atTail bool) (string, error) {
 	return explainIn(ctx, url, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (int, error) {
-		store := offsets.NewStore(libTables(topic))
+		store := offsets.NewStore(libTables(topic), true)
 		q := dbx.PgxTx(tx)
 		gid, err := store.EnsureGroup(ctx, q, group, false)
 		if err != nil {
@@ -64,7 +64,7 @@ func explainClaimPlan(ctx context.Context, url, topic string, atTail bool) (stri
 		}
 		return -1, nil // the statement to explain comes next
 	}, func(ctx context.Context, tx pgx.Tx) (int, error) {
-		store := offsets.NewStore(libTables(topic))
+		store := offsets.NewStore(libTables(topic), true)
 		q := dbx.PgxTx(tx)
 		gid, err := store.EnsureGroup(ctx, q, group, false)
 		if err != nil {

@@ -95,7 +95,7 @@ func (r *rawOps) insert(ctx context.Context, topic string, msgs []*message.Messa
 	for i, m := range msgs {
 		rows[i] = offsets.Row{UUID: m.UUID, Payload: m.Payload, Metadata: "{}"}
 	}
-	return offsets.NewStore(libTables(topic)).Insert(ctx, r.e.db, rows)
+	return offsets.NewStore(libTables(topic), true).Insert(ctx, r.e.db, rows, "")
 }
 
 // drain claims and acks batches of 100 until want messages were settled. An empty claim while
@@ -188,7 +188,7 @@ func (r *rawOps) claimAcker(ctx context.Context, topic string) (func() (int, err
 		}, nil
 	}
 
-	store := offsets.NewStore(libTables(topic))
+	store := offsets.NewStore(libTables(topic), true)
 	gid, err := store.EnsureGroup(ctx, r.e.db, group, false)
 	if err != nil {
 		return nil, err

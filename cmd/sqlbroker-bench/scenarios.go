@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
 	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
@@ -308,9 +309,9 @@ func (b *bench) latencyRun(ctx context.Context, c contender, elsewhere bool) (p5
 
 	var publish func(*message.Message) error
 	if elsewhere {
-		store := offsets.NewStore(libTables(topic))
+		store := offsets.NewStore(libTables(topic), true)
 		publish = func(m *message.Message) error {
-			return store.Insert(ctx, e.db, []offsets.Row{{UUID: m.UUID, Payload: m.Payload, Metadata: "{}"}})
+			return store.Insert(ctx, e.db, []offsets.Row{{UUID: m.UUID, Payload: m.Payload, Metadata: "{}"}}, listen.Channel)
 		}
 	} else {
 		pub, err := e.publisher()
