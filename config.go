@@ -43,6 +43,7 @@ const (
 	DefaultLeaseTTL           = 30 * time.Second
 	DefaultRetryInterval      = time.Second
 	DefaultCloseTimeout       = 30 * time.Second
+	DefaultLockCheckInterval  = time.Second
 	DefaultMaxPayloadBytes    = 64 << 20
 	maxTablePrefixLength      = 24
 	maxSchemaNameLength       = ident.MaxIdentifierLength
@@ -145,6 +146,11 @@ type SubscriberConfig struct {
 
 	// CloseTimeout bounds Close, which runs Shutdown with it. Defaults to DefaultCloseTimeout.
 	CloseTimeout time.Duration
+
+	// LockCheckInterval is how often the advisory mode pings an idle lock connection, to find
+	// out that it died (and its locks with it) and open it again. Defaults to
+	// DefaultLockCheckInterval.
+	LockCheckInterval time.Duration
 }
 
 func (c *SubscriberConfig) setDefaults() {
@@ -178,6 +184,9 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = DefaultCloseTimeout
 	}
+	if c.LockCheckInterval == 0 {
+		c.LockCheckInterval = DefaultLockCheckInterval
+	}
 }
 
 func (c *SubscriberConfig) validate() error {
@@ -208,6 +217,7 @@ func (c *SubscriberConfig) validate() error {
 	}{
 		{"PollInterval", c.PollInterval}, {"LeaseTTL", c.LeaseTTL}, {"LeaseRenewInterval", c.LeaseRenewInterval},
 		{"NackBackoff", c.NackBackoff}, {"RetryInterval", c.RetryInterval}, {"CloseTimeout", c.CloseTimeout},
+		{"LockCheckInterval", c.LockCheckInterval},
 	}
 	for _, d := range durations {
 		if d.v < 0 {
