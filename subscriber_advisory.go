@@ -28,10 +28,10 @@ import (
 //     in the same transaction.
 //   - A claim whose lock is free and whose row is still 'infinity' is an orphan (its consumer
 //     died or lost its lock connection). Each claim round, at most once per PollInterval,
-//     finds orphans through pg_locks, tries the locks of exactly those offsets, then re-reads
-//     and takes over the rows under a new token in a statement that starts after the locks
-//     were taken (A4): a row settled meanwhile is gone or no longer 'infinity' and is dropped,
-//     its lock released. No timeout is involved (A2).
+//     reads a page of the group's held claims, tries the locks of exactly those offsets, then
+//     re-reads and takes over the rows whose lock it got, under a new token, in a statement
+//     that starts after the locks were taken (A4): a row settled meanwhile is gone or no
+//     longer 'infinity' and is dropped, its lock released. No timeout is involved (A2).
 //   - Ack and nack are applied in the database (fenced by the token, as in lease mode) and then
 //     the lock is released.
 //   - The lock connection failing frees its locks: the deliveries it held lose their claim,
@@ -44,6 +44,7 @@ type advisoryState struct {
 
 	roundGen    uint64    // lock generation of the claim round being handed out (claim loop only)
 	lastRescue  time.Time // claim loop only
+	rescueAfter int64     // claim loop only: where the walk for orphans goes on
 	settling    sync.WaitGroup
 	closed      bool          // guarded by sub.mu: Shutdown released the locks; settlements are refused
 	released    chan struct{} // closed by Shutdown once the locks of deliveries in work are released
@@ -174,7 +175,12 @@ func (a *advisoryState) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed, 
 	return buf, token, nil
 }
 
-// rescue takes over up to n orphaned claims (A2).
+// rescuePage is how many claims held by a lock one claim round looks at for orphans.
+const rescuePage = 256
+
+// rescue takes over up to n orphaned claims (A2): it walks the group's claims held by a lock,
+// a page a round, tries the locks of exactly those offsets, and adopts the rows whose lock it
+// got and that still read as held once the lock is ours (A4).
 func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]offsets.Claimed, error) {
 	sub := a.sub
 	sub.mu.Lock()
@@ -183,13 +189,25 @@ func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]off
 		skip = append(skip, o)
 	}
 	sub.mu.Unlock()
-	cands, err := sub.store.Orphans(sub.ctx, sub.s.db, sub.groupID, a.key1, skip, n)
-	if err != nil || len(cands) == 0 {
+	cands, err := sub.store.HeldAfter(sub.ctx, sub.s.db, sub.groupID, a.rescueAfter, skip, rescuePage)
+	if err != nil {
 		return buf, err
+	}
+	if len(cands) < rescuePage {
+		a.rescueAfter = 0 // the end: start over next time
+	} else {
+		a.rescueAfter = cands[len(cands)-1]
+	}
+	if len(cands) == 0 {
+		return buf, nil
 	}
 	locked, gen, err := a.conn.TryLock(cands)
 	if err != nil || len(locked) == 0 {
 		return buf, err
+	}
+	if len(locked) > n {
+		a.unlock(locked[n:], gen) // no room for them this round
+		locked = locked[:n]
 	}
 	// From here the locks are ours: finish without the subscription's cancel.
 	ctx, cancel := dbx.CleanupContext(sub.ctx)

@@ -2,7 +2,9 @@ package tests
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -103,5 +105,37 @@ func receive(t testing.TB, ch <-chan *message.Message, timeout time.Duration) *m
 	case <-time.After(timeout):
 		t.Fatalf("no message within %s", timeout)
 		return nil
+	}
+}
+
+// advisoryStdMaxOpen sizes the lib/pq pool of the advisory suites: up to 50 lock connections
+// of Watermill's TestConcurrentSubscribe, plus room for claims and settlements.
+const advisoryStdMaxOpen = 70
+
+var (
+	advStdOnce sync.Once
+	advStdDB   *sql.DB
+	advStdErr  error
+)
+
+// advisoryStd is a lib/pq pool for the advisory suites (see advisoryDriver).
+func advisoryStd(t testing.TB) *sql.DB {
+	t.Helper()
+	advStdOnce.Do(func() {
+		advStdDB, advStdErr = sql.Open("postgres", testdb.URL())
+		if advStdErr != nil {
+			return
+		}
+		advStdDB.SetMaxOpenConns(advisoryStdMaxOpen)
+		advStdDB.SetMaxIdleConns(10)
+		advStdDB.SetConnMaxIdleTime(5 * time.Second)
+	})
+	require.NoError(t, advStdErr)
+	return advStdDB
+}
+
+func closeAdvisoryStd() {
+	if advStdDB != nil {
+		_ = advStdDB.Close()
 	}
 }

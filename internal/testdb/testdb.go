@@ -44,6 +44,10 @@ func Pgx(t testing.TB) *pgxpool.Pool {
 			return
 		}
 		cfg.MaxConns = 30
+		// Hand idle connections back to the server soon: suites that run one after another
+		// (and the advisory mode's lock connections) share max_connections.
+		cfg.MaxConnIdleTime = 5 * time.Second
+		cfg.HealthCheckPeriod = time.Second
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		pgxPool, pgxErr = pgxpool.NewWithConfig(ctx, cfg)
@@ -67,6 +71,7 @@ func Std(t testing.TB) *sql.DB {
 		}
 		stdDB.SetMaxOpenConns(30)
 		stdDB.SetMaxIdleConns(30)
+		stdDB.SetConnMaxIdleTime(5 * time.Second)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		stdErr = stdDB.PingContext(ctx)
