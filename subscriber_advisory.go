@@ -20,12 +20,14 @@ import (
 // session advisory lock (key1 of the topic and group, key2 = its offset) on that connection;
 // its claim row has visible_at 'infinity'. Why nobody else can take a message in work:
 //
-//   - New messages and claims due again (nacked, released) are claimed in a transaction on the
-//     pool; the locks of exactly the claimed offsets are taken on the lock connection before
-//     that transaction commits. So a claim row becomes visible to others only with its lock
+//   - New messages and claims due again (nacked, released) are claimed by one statement on the
+//     lock connection that also takes the locks of exactly the offsets it claims (see
+//     offsets.Store.ClaimLocked). So a claim row becomes visible to others only with its lock
 //     already held: no window in which it looks orphaned. A lock that cannot be taken (its
-//     previous holder is still unlocking after a nack, or a key collision) puts the claim back
-//     in the same transaction.
+//     previous holder is still unlocking after a nack, or a key collision) leaves the claim
+//     due for a later round. The statement runs under its own timeout, never the
+//     subscription's cancel; if it fails, the lock connection is closed (whatever it locked
+//     before failing goes with it) and opened again.
 //   - A claim whose lock is free and whose row is still 'infinity' is an orphan (its consumer
 //     died or lost its lock connection). Each claim round, at most once per PollInterval,
 //     reads a page of the group's held claims, tries the locks of exactly those offsets, then
@@ -237,70 +239,28 @@ func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]off
 	return got, nil
 }
 
-// claimNew claims due and new messages and takes their locks before the claims commit.
+// claimNew claims due and new messages on the lock connection, taking their locks in the
+// statement that claims them.
 func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64) ([]offsets.Claimed, uint64, error) {
 	sub := a.sub
 	start := len(buf)
-	tx, err := sub.s.db.Begin(sub.ctx)
+	out := buf
+	gen, err := a.conn.Claim(func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error) {
+		var err error
+		out, err = sub.store.ClaimLocked(ctx, q, sub.groupID, token, n, a.key1, held, buf)
+		if err != nil {
+			return nil, err
+		}
+		locked := make([]int64, 0, len(out)-start)
+		for _, c := range out[start:] {
+			locked = append(locked, c.Offset)
+		}
+		return locked, nil
+	})
 	if err != nil {
 		return buf, 0, err
 	}
-	rollback := func() {
-		ctx, cancel := dbx.CleanupContext(sub.ctx)
-		_ = tx.Rollback(ctx)
-		cancel()
-	}
-	claimed, err := sub.store.ClaimHeld(sub.ctx, tx, sub.groupID, token, n, buf)
-	if err != nil {
-		rollback()
-		return buf, 0, err
-	}
-	fresh := claimed[start:]
-	if len(fresh) == 0 {
-		rollback()
-		return buf, 0, nil
-	}
-	offs := make([]int64, len(fresh))
-	for i, c := range fresh {
-		offs[i] = c.Offset
-	}
-	locked, gen, err := a.conn.TryLock(offs)
-	if err != nil {
-		rollback()
-		return buf, 0, err
-	}
-	// The locks are ours: commit whatever the subscription's context does meanwhile.
-	ctx, cancel := dbx.CleanupContext(sub.ctx)
-	defer cancel()
-	if len(locked) < len(fresh) {
-		isLocked := make(map[int64]bool, len(locked))
-		for _, o := range locked {
-			isLocked[o] = true
-		}
-		var back []offsets.Fenced
-		kept := fresh[:0]
-		for _, c := range fresh {
-			if isLocked[c.Offset] {
-				kept = append(kept, c)
-			} else {
-				back = append(back, offsets.Fenced{Offset: c.Offset, Token: token})
-			}
-		}
-		// Someone else still holds these locks: put the claims back, in this transaction.
-		if _, err := sub.store.Release(ctx, tx, sub.groupID, back); err != nil {
-			_ = tx.Rollback(ctx)
-			a.unlock(locked, gen)
-			return buf, 0, err
-		}
-		fresh = kept
-	}
-	if err := tx.Commit(ctx); err != nil {
-		// Whether it committed is unknown: without the locks, committed claims are orphans and
-		// are taken over by the group.
-		a.unlock(locked, gen)
-		return buf, 0, err
-	}
-	return claimed[:start+len(fresh)], gen, nil
+	return out, gen, nil
 }
 
 // giveBackNow releases claims of this round, locked under gen, that will not be handed out.

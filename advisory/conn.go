@@ -192,6 +192,47 @@ func (c *Conn) TryLock(offsets []int64) ([]int64, uint64, error) {
 	return locked, gen, nil
 }
 
+// Claim runs claim on the lock connection, with the offsets whose locks the connection holds
+// already (claim must not lock those again: session locks are re-entrant). claim locks the
+// offsets it returns in the statement that claims them (offsets.Store.ClaimLocked), so a claim
+// becomes visible to others only with its lock held. Claim returns the generation the locks
+// were taken under. A failed claim loses the connection: locks the statement took before it
+// failed stay with the session, and closing the session is the only way to be sure that none
+// is left.
+func (c *Conn) Claim(claim func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error)) (uint64, error) {
+	if err := c.ensure(); err != nil {
+		return 0, err
+	}
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return 0, ErrClosed
+	}
+	if c.conn == nil {
+		c.mu.Unlock()
+		return 0, ErrDisconnected
+	}
+	held := make([]int64, 0, len(c.held))
+	for o := range c.held {
+		held = append(held, o)
+	}
+	ctx, cancel := stmtContext()
+	locked, err := claim(ctx, c.conn, held)
+	cancel()
+	if err != nil {
+		lost := c.failLocked(err)
+		c.mu.Unlock()
+		c.report(lost)
+		return 0, err
+	}
+	gen := c.gen
+	for _, o := range locked {
+		c.held[o] = gen
+	}
+	c.mu.Unlock()
+	return gen, nil
+}
+
 // Unlock drops the locks of the offsets taken under generation gen and returns how many it
 // dropped. Offsets this Conn does not hold under gen (the connection was lost since) are
 // skipped. PostgreSQL saying that it did not hold a lock the bookkeeping says it held is a bug,

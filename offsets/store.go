@@ -21,7 +21,6 @@ type Store struct {
 	T Tables
 
 	claimSQL     string
-	heldClaimSQL string // claimSQL for the advisory-lock mode
 	ackSQL       string
 	nackSQL      string
 	releaseSQL   string
@@ -44,8 +43,41 @@ func NewStore(t Tables) *Store {
 	//    milliseconds), read the next messages after its position that were written by
 	//    transactions older than every running one (M2), claim them and advance the position.
 	// Redeliveries come first, then new messages in (xid, offset) order.
-	s.claimSQL = claimSQL(t, "now()")
-	s.heldClaimSQL = claimSQL(t, "'infinity'::timestamptz")
+	s.claimSQL = fmt.Sprintf(`WITH due AS (
+	SELECT "offset" FROM %[3]s
+	WHERE "group_id" = $1 AND "visible_at" <= now()
+	ORDER BY "offset" LIMIT $4
+	FOR UPDATE SKIP LOCKED
+), r AS (
+	UPDATE %[3]s c SET "token" = $2, "visible_at" = now() + $3::float8 * interval '1 millisecond', "attempts" = c."attempts" + 1
+	FROM due WHERE c."group_id" = $1 AND c."offset" = due."offset"
+	RETURNING c."offset", c."attempts"
+), g AS (
+	SELECT "last_xid", "last_offset" FROM %[1]s
+	WHERE "group_id" = $1 AND (SELECT count(*) FROM due) < $4
+	FOR UPDATE
+), m AS (
+	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata"
+	FROM %[2]s m, g
+	WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
+	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
+	ORDER BY m."xid", m."offset"
+	LIMIT $4 - (SELECT count(*) FROM due)
+), ins AS (
+	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
+	SELECT $1, m."offset", $2, now() + $3::float8 * interval '1 millisecond', 1 FROM m
+), upd AS (
+	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
+	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
+	WHERE "group_id" = $1
+)
+SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM (
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o
+	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
+	UNION ALL
+	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
+	FROM m
+) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims)
 
 	// Settlements are fenced by the token and take many claims at once.
 	s.ackSQL = fmt.Sprintf(`DELETE FROM %s c
@@ -86,47 +118,6 @@ RETURNING "group_id"`, t.Groups)
 	LIMIT 1000
 ) x`, t.Groups, t.Messages)
 	return s
-}
-
-// claimSQL is the claim round trip of NewStore. visibleFrom is what the claim's visible_at
-// counts from: now() for a lease of $3 ms; 'infinity' for a claim held by an advisory lock
-// (infinity plus any interval stays infinity), which no "due" step ever takes back.
-func claimSQL(t Tables, visibleFrom string) string {
-	return fmt.Sprintf(`WITH due AS (
-	SELECT "offset" FROM %[3]s
-	WHERE "group_id" = $1 AND "visible_at" <= now()
-	ORDER BY "offset" LIMIT $4
-	FOR UPDATE SKIP LOCKED
-), r AS (
-	UPDATE %[3]s c SET "token" = $2, "visible_at" = %[4]s + $3::float8 * interval '1 millisecond', "attempts" = c."attempts" + 1
-	FROM due WHERE c."group_id" = $1 AND c."offset" = due."offset"
-	RETURNING c."offset", c."attempts"
-), g AS (
-	SELECT "last_xid", "last_offset" FROM %[1]s
-	WHERE "group_id" = $1 AND (SELECT count(*) FROM due) < $4
-	FOR UPDATE
-), m AS (
-	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata"
-	FROM %[2]s m, g
-	WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
-	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
-	ORDER BY m."xid", m."offset"
-	LIMIT $4 - (SELECT count(*) FROM due)
-), ins AS (
-	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
-	SELECT $1, m."offset", $2, %[4]s + $3::float8 * interval '1 millisecond', 1 FROM m
-), upd AS (
-	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
-	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
-	WHERE "group_id" = $1
-)
-SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM (
-	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o
-	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
-	UNION ALL
-	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
-	FROM m
-) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims, visibleFrom)
 }
 
 // Claimed is one message claimed for a group.
