@@ -32,10 +32,11 @@
 //
 // A Conn is one session connection, outside the pool's accounting where the driver allows it
 // (pgx: a pgx.Conn of its own; database/sql: a *sql.Conn taken from the *sql.DB and closed,
-// never returned, when it is done). It runs only short statements that never wait: try-lock,
-// unlock and a ping. They run under their own timeout, never under a caller's or a
-// subscription's context: a context cancelled while pgx runs a query closes the connection, and
-// with it every lock on it.
+// never returned, when it is done). It runs the claim statement, which takes the locks of
+// exactly the messages it claims before the claims commit (see offsets.Store.ClaimLocked), and
+// short statements that never wait: try-lock, unlock and a ping. They run one at a time under
+// their own timeout, never under a caller's or a subscription's context: a context cancelled
+// while pgx runs a query closes the connection, and with it every lock on it.
 //
 // A connection that fails in any way is closed at once: PostgreSQL then frees every lock it
 // held, and the Conn reports those keys as lost (the owner cancels the deliveries and refuses
