@@ -61,6 +61,9 @@ func joinErrors(errs []error) error {
 //     ErrClosed as their cause.
 //  5. Lease mode: deliveries still in work keep their leases, which run out unless the
 //     delivery settles first (S4).
+//  5. Advisory mode: settlements already in flight finish, then the lock of every delivery
+//     still in work is released and the lock connections close (S5); a later settlement is
+//     refused. LocksReleased and ConnectionsClosed count exactly that (S9).
 //
 // Shutdown is idempotent: later and concurrent calls wait for the first one and return its
 // report and error.
@@ -128,6 +131,21 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		rep.LeasesLeft = rep.DeliveriesInWork
 	}
 
+	// 5. Advisory mode: settlements already in flight finish; then the lock of every delivery
+	//    still in work is released and the lock connections are closed (S5). A settlement
+	//    that comes later is refused, counted and logged with ErrClosed.
+	for _, sub := range subs {
+		if sub.adv == nil {
+			continue
+		}
+		released, closed, aerr := sub.adv.shutdown(ctx)
+		rep.LocksReleased += released
+		rep.ConnectionsClosed += closed
+		if aerr != nil && err == nil {
+			err = aerr
+		}
+	}
+
 	rep.Duration = time.Since(start)
 	s.mu.Lock()
 	s.report, s.err = rep, err
@@ -136,7 +154,8 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 	if err == nil {
 		s.logger.Info("Subscriber shut down", watermill.LogFields{
 			"subscriptions": rep.Subscriptions, "claims_released": rep.ClaimsReleased,
-			"deliveries_in_work": rep.DeliveriesInWork, "duration": rep.Duration,
+			"deliveries_in_work": rep.DeliveriesInWork, "locks_released": rep.LocksReleased,
+			"connections_closed": rep.ConnectionsClosed, "duration": rep.Duration,
 		})
 	}
 	return rep, err

@@ -43,6 +43,7 @@ const (
 	DefaultLeaseTTL           = 30 * time.Second
 	DefaultRetryInterval      = time.Second
 	DefaultCloseTimeout       = 30 * time.Second
+	DefaultLockCheckInterval  = time.Second
 	DefaultMaxPayloadBytes    = 64 << 20
 	DefaultNotifyDebounce     = 5 * time.Millisecond
 	maxTablePrefixLength      = 24
@@ -179,6 +180,11 @@ type SubscriberConfig struct {
 	// delivery allows. Published messages are always committed synchronously. Defaults to
 	// false.
 	SynchronousCommit bool
+
+	// LockCheckInterval is how often the advisory mode pings an idle lock connection, to find
+	// out that it died (and its locks with it) and open it again. Defaults to
+	// DefaultLockCheckInterval.
+	LockCheckInterval time.Duration
 }
 
 func (c *SubscriberConfig) setDefaults() {
@@ -212,6 +218,9 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = DefaultCloseTimeout
 	}
+	if c.LockCheckInterval == 0 {
+		c.LockCheckInterval = DefaultLockCheckInterval
+	}
 }
 
 func (c *SubscriberConfig) validate() error {
@@ -243,6 +252,7 @@ func (c *SubscriberConfig) validate() error {
 		{"PollInterval", c.PollInterval}, {"LeaseTTL", c.LeaseTTL}, {"LeaseRenewInterval", c.LeaseRenewInterval},
 		{"NackBackoff", c.NackBackoff}, {"RetryInterval", c.RetryInterval}, {"CloseTimeout", c.CloseTimeout},
 		{"Retention", c.Retention},
+		{"LockCheckInterval", c.LockCheckInterval},
 	}
 	for _, d := range durations {
 		if d.v < 0 {

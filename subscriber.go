@@ -67,9 +67,10 @@ type Stats struct {
 	Nacked           int64 // nacks applied
 	Released         int64 // claims given back without reaching a handler
 	StaleSettlements int64 // acks and nacks refused because the claim was no longer held (L3)
-	LeasesLost       int64 // deliveries whose claim was lost while in work (L4)
+	LeasesLost       int64 // deliveries whose claim was lost while in work (L4; advisory mode: A3)
 	Errors           int64 // database errors met by claim, extension and settlement
 	InFlight         int   // messages claimed and not yet settled, now
+	LocksHeld        int   // advisory locks held by the lock connections, now (advisory mode)
 }
 
 // NewSubscriber builds a Subscriber on db, which must wrap a pool (Pgx or StdSQL). A nil
@@ -81,9 +82,6 @@ func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapte
 	config.setDefaults()
 	if err := config.validate(); err != nil {
 		return nil, err
-	}
-	if config.ClaimMode == ClaimAdvisoryLock {
-		return nil, &ConfigError{Field: "ClaimMode", Value: config.ClaimMode, Reason: "is not available yet"}
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -113,6 +111,9 @@ func (s *Subscriber) Stats() Stats {
 	s.mu.Lock()
 	for sub := range s.subs {
 		st.InFlight += sub.inFlight()
+		if sub.adv != nil {
+			st.LocksHeld += sub.adv.locksHeld()
+		}
 	}
 	s.mu.Unlock()
 	return st
@@ -167,10 +168,19 @@ func (s *Subscriber) subscribe(ctx context.Context, topic string) (*subscription
 	}
 
 	sub := newSubscription(s, ctx, store, groupID)
+	if err := sub.openAdvisory(ctx); err != nil {
+		sub.unreg()
+		sub.unlisten()
+		sub.cancel(err)
+		return nil, fmt.Errorf("sqlbroker: subscribe to %q: %w", topic, err)
+	}
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
 		sub.cancel(ErrClosed)
+		if sub.adv != nil {
+			sub.adv.conn.Close()
+		}
 		sub.unreg()
 		sub.unlisten()
 		return nil, ErrClosed
@@ -250,6 +260,8 @@ type subscription struct {
 	queriesCancelled atomic.Int64 // claim statements cancelled on the server and awaited (S3)
 	connsClosed      atomic.Int64 // connections a cancel closed (lib/pq closes them)
 
+	adv *advisoryState // advisory-lock mode only (subscriber_advisory.go)
+
 	settleCh chan settlement
 	awaits   sync.WaitGroup // await goroutines; settleCh closes when they are all done
 
@@ -264,6 +276,7 @@ type delivery struct {
 	token  int64
 	msg    *message.Message
 	cancel context.CancelCauseFunc
+	gen    uint64 // advisory mode: generation of the lock connection that took its lock
 
 	mu       sync.Mutex
 	deadline time.Time // local lease deadline
@@ -305,7 +318,11 @@ func (sub *subscription) start() {
 		go sub.pruneLoop()
 	}
 	go sub.claimLoop()
-	go sub.extendLoop()
+	if sub.adv != nil {
+		go sub.adv.run()
+	} else {
+		go sub.extendLoop()
+	}
 	go sub.settleLoop()
 	go func() {
 		<-sub.claimDone
@@ -434,6 +451,9 @@ const claimTimeout = time.Minute
 // statement (a cancel request for its backend), and the claim returns only once the server
 // has ended it and rolled it back (S3).
 func (sub *subscription) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed, int64, error) {
+	if sub.adv != nil {
+		return sub.adv.claim(buf, n)
+	}
 	token := rand.Int64N(1<<62) + 1
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(sub.ctx), claimTimeout)
 	defer cancel()
@@ -499,6 +519,9 @@ func (sub *subscription) handOut(claimed []offsets.Claimed, token int64) bool {
 		sub.inWork[c.Offset] = d
 	}
 	sub.mu.Unlock()
+	if sub.adv != nil {
+		sub.adv.registered(ds)
+	}
 
 	for i, d := range ds {
 		select {
@@ -548,6 +571,10 @@ func (sub *subscription) giveBack(ds []*delivery) {
 }
 
 func (sub *subscription) release(fs []offsets.Fenced) {
+	if sub.adv != nil {
+		sub.adv.release(fs)
+		return
+	}
 	ctx, cancel := dbx.CleanupContext(sub.ctx)
 	defer cancel()
 	done, err := sub.store.Release(ctx, sub.s.db, sub.groupID, fs)
@@ -563,6 +590,10 @@ func (sub *subscription) release(fs []offsets.Fenced) {
 
 // await waits for the handler's ack or nack and queues it for the settle loop.
 func (sub *subscription) await(d *delivery) {
+	if sub.adv != nil {
+		sub.adv.await(d)
+		return
+	}
 	defer sub.awaits.Done()
 	var op string
 	select {
@@ -646,6 +677,9 @@ func (sub *subscription) settleLoop() {
 // apply runs the settlements of kind op among sts in one statement and returns those that
 // failed with a database error and may be retried.
 func (sub *subscription) apply(op string, sts []settlement) []settlement {
+	if sub.adv != nil {
+		return sub.adv.apply(op, sts)
+	}
 	var these []settlement
 	var fs []offsets.Fenced
 	for _, st := range sts {

@@ -15,7 +15,7 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) { testdb.Main(m, closeAdvisoryStd) }
 
 type driver struct {
 	name string
@@ -110,4 +110,34 @@ func TestUniversal_LeaseOrdered(t *testing.T) {
 		pubSub, groupPubSub := constructors(d, sqlbroker.ClaimLease, true)
 		tests.TestPubSub(t, universalFeatures(true), pubSub, groupPubSub)
 	})
+}
+
+func TestUniversal_Advisory(t *testing.T) {
+	for _, d := range drivers {
+		t.Run(d.name, func(t *testing.T) {
+			pubSub, groupPubSub := constructors(advisoryDriver(d), sqlbroker.ClaimAdvisoryLock, false)
+			tests.TestPubSub(t, universalFeatures(false), pubSub, groupPubSub)
+		})
+	}
+	requireNoLibraryLocks(t)
+}
+
+// requireNoLibraryLocks checks that no advisory lock in the library's namespace is left in
+// the test database once a suite is done.
+func requireNoLibraryLocks(t *testing.T) {
+	t.Helper()
+	pool := testdb.Pgx(t)
+	testdb.Eventually(t, 15*time.Second, "no advisory lock of the library left", func() bool {
+		return libraryLocks(t, pool) == 0
+	})
+}
+
+// advisoryDriver is d for the advisory suites. database/sql cannot open a connection outside
+// its pool, so every advisory subscription keeps one connection of the *sql.DB for its locks:
+// the suite's 50 concurrent subscribers need a pool larger than the shared one.
+func advisoryDriver(d driver) driver {
+	if d.name != "libpq" {
+		return d
+	}
+	return driver{d.name, func(t *testing.T) sqlbroker.DB { return sqlbroker.StdSQL(advisoryStd(t)) }}
 }

@@ -2,6 +2,8 @@ package dbx
 
 import (
 	"context"
+	"net"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -71,7 +73,9 @@ func (p *PgxPool) Acquire(ctx context.Context) (Conn, error) {
 }
 
 func (p *PgxPool) Dedicated(ctx context.Context) (Conn, error) {
-	c, err := pgx.ConnectConfig(ctx, p.Pool.Config().ConnConfig.Copy())
+	cfg := p.Pool.Config().ConnConfig.Copy()
+	cfg.DialFunc = withKeepAlive(cfg.DialFunc)
+	c, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -79,6 +83,28 @@ func (p *PgxPool) Dedicated(ctx context.Context) (Conn, error) {
 }
 
 func (p *PgxPool) Close() { p.Pool.Close() }
+
+// DedicatedKeepAlive is the TCP keepalive of dedicated connections: a long-lived connection
+// that sits idle (a lock holder, a listener) must find out that its peer is gone.
+var DedicatedKeepAlive = net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 5 * time.Second, Count: 3}
+
+// withKeepAlive wraps the configured dialer (the caller's, if they set one) and turns TCP
+// keepalives on for the connections it dials.
+func withKeepAlive(dial pgconn.DialFunc) pgconn.DialFunc {
+	if dial == nil {
+		dial = (&net.Dialer{}).DialContext
+	}
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		conn, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		if tcp, ok := conn.(*net.TCPConn); ok {
+			_ = tcp.SetKeepAliveConfig(DedicatedKeepAlive)
+		}
+		return conn, nil
+	}
+}
 
 type pgxPoolConn struct {
 	pgxQ

@@ -48,6 +48,10 @@ func Pgx(t testing.TB) *pgxpool.Pool {
 			return
 		}
 		cfg.MaxConns = 30
+		// Hand idle connections back to the server soon: suites that run one after another
+		// (and the advisory mode's lock connections) share max_connections.
+		cfg.MaxConnIdleTime = 5 * time.Second
+		cfg.HealthCheckPeriod = time.Second
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		pgxPool, pgxErr = pgxpool.NewWithConfig(ctx, cfg)
@@ -71,6 +75,7 @@ func Std(t testing.TB) *sql.DB {
 		}
 		stdDB.SetMaxOpenConns(30)
 		stdDB.SetMaxIdleConns(30)
+		stdDB.SetConnMaxIdleTime(5 * time.Second)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		stdErr = stdDB.PingContext(ctx)
@@ -141,11 +146,14 @@ func DropTopic(t testing.TB, schema, topic string) {
 	}
 }
 
-// Main runs a package's tests, closes the shared pools, and fails the run when goroutines
-// are left behind: call it from TestMain.
-func Main(m *testing.M) {
+// Main runs a package's tests, closes the shared pools and runs closers, and fails the run
+// when goroutines are left behind: call it from TestMain.
+func Main(m *testing.M, closers ...func()) {
 	code := m.Run()
 	Close()
+	for _, c := range closers {
+		c()
+	}
 	if code == 0 {
 		if err := LeakCheck(); err != nil {
 			os.Stderr.WriteString("goroutines leaked: " + err.Error() + "\n")

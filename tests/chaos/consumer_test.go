@@ -59,8 +59,8 @@ type consumerReport struct {
 	Report      sqlbroker.CloseReport
 	ShutdownErr string
 	RunErr      string // router.Run's error: the consumer could not subscribe
-	ConnsLeft   int // the library's backends still in pg_stat_activity after the shutdown
-	LocksLeft   int // advisory locks those backends hold
+	ConnsLeft   int    // the library's backends still in pg_stat_activity after the shutdown
+	LocksLeft   int    // advisory locks those backends hold
 }
 
 func printReport(kind string, r consumerReport) {

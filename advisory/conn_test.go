@@ -1,0 +1,195 @@
+package advisory_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/sqlbroker/watermill-sqlbroker/advisory"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	testdb.Close()
+	if code == 0 {
+		if err := testdb.LeakCheck(); err != nil {
+			os.Stderr.WriteString("goroutines leaked: " + err.Error() + "\n")
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// A4: key1 stays in the library's range and off the schema lock; key2 is the offset's low
+// 32 bits, in Go and in SQL alike.
+func TestKeys_A4_namespace(t *testing.T) {
+	t.Parallel()
+	for _, table := range []string{`"sqlbroker_a_messages"`, `"s"."sqlbroker_b_messages"`, ""} {
+		for _, group := range []string{"default", "g", ""} {
+			k := advisory.Key1(table, group)
+			assert.GreaterOrEqual(t, uint32(k), advisory.NamespaceFirst)
+			assert.Less(t, uint32(k), advisory.NamespaceLast, "ProbeKey1 is reserved")
+			assert.NotEqual(t, offsets.SchemaLockKey1, k)
+		}
+	}
+	assert.NotEqual(t, advisory.Key1(`"t"`, "a"), advisory.Key1(`"t"`, "b"))
+	assert.NotEqual(t, advisory.Key1(`"t1"`, "a"), advisory.Key1(`"t2"`, "a"))
+
+	pool := testdb.Pgx(t)
+	for _, o := range []int64{0, 1, 1<<31 - 1, 1 << 31, 1<<32 - 1, 1 << 32, 1<<32 + 5, 1<<62 + 12345} {
+		var k int32
+		require.NoError(t, pool.QueryRow(context.Background(), `SELECT ($1::bigint::bit(32))::int4`, o).Scan(&k))
+		assert.Equal(t, advisory.Key2(o), k, "offset %d", o)
+	}
+	// In flight together (less than 2^32 apart), two offsets never share key2.
+	assert.NotEqual(t, advisory.Key2(1<<32-1), advisory.Key2(1<<32))
+}
+
+func open(t *testing.T, key1 int32, onLost func([]int64)) *advisory.Conn {
+	t.Helper()
+	c, err := advisory.Open(context.Background(), dbx.NewPgxPool(testdb.Pgx(t)), advisory.Options{
+		Key1: key1, CheckInterval: 100 * time.Millisecond, OnLost: onLost,
+	})
+	require.NoError(t, err)
+	return c
+}
+
+func locksOf(t *testing.T, pool *pgxpool.Pool, key1 int32) int {
+	t.Helper()
+	var n int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_locks
+		WHERE locktype = 'advisory' AND objsubid = 2 AND classid = $1::int4::oid`, key1).Scan(&n))
+	return n
+}
+
+// A1/A4: a lock is taken once: a second TryLock of a held offset neither takes it again (session
+// locks are re-entrant) nor returns it; another session cannot take it; Close releases all.
+func TestConn_A4_tryLockExactKeysOnce(t *testing.T) {
+	t.Parallel()
+	key1 := advisory.Key1(`"conn_test_once"`, t.Name())
+	pool := testdb.Pgx(t)
+	a := open(t, key1, nil)
+	b := open(t, key1, nil)
+
+	got, gen, err := a.TryLock([]int64{1, 2, 1 << 33})
+	require.NoError(t, err)
+	assert.ElementsMatch(t, []int64{1, 2, 1 << 33}, got)
+	again, _, err := a.TryLock([]int64{2, 3})
+	require.NoError(t, err)
+	assert.Equal(t, []int64{3}, again)
+	assert.Equal(t, 4, locksOf(t, pool, key1))
+
+	other, _, err := b.TryLock([]int64{1, 2, 3, 4})
+	require.NoError(t, err)
+	assert.Equal(t, []int64{4}, other)
+
+	n, err := a.Unlock([]int64{2}, gen)
+	require.NoError(t, err)
+	assert.Equal(t, 1, n)
+	n, err = a.Unlock([]int64{2}, gen) // not held any more: skipped
+	require.NoError(t, err)
+	assert.Equal(t, 0, n)
+
+	released, closed := a.Close()
+	assert.Equal(t, 3, released)
+	assert.True(t, closed)
+	released, closed = b.Close()
+	assert.Equal(t, 1, released)
+	assert.True(t, closed)
+	assert.Equal(t, 0, locksOf(t, pool, key1))
+	released, closed = a.Close()
+	assert.Equal(t, 0, released)
+	assert.False(t, closed)
+}
+
+// A3: a terminated lock connection reports every lock it held as lost, and is opened again.
+func TestConn_A3_terminatedReportsLostAndReconnects(t *testing.T) {
+	t.Parallel()
+	key1 := advisory.Key1(`"conn_test_lost"`, t.Name())
+	pool := testdb.Pgx(t)
+	lost := make(chan []int64, 1)
+	c := open(t, key1, func(offs []int64) { lost <- offs })
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() { c.Run(stop); close(done) }()
+	defer func() { close(stop); <-done; c.Close() }()
+
+	_, gen, err := c.TryLock([]int64{7, 8})
+	require.NoError(t, err)
+	var pid int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT DISTINCT pid FROM pg_locks
+		WHERE locktype = 'advisory' AND objsubid = 2 AND classid = $1::int4::oid`, key1).Scan(&pid))
+	_, err = pool.Exec(context.Background(), `SELECT pg_terminate_backend($1)`, pid)
+	require.NoError(t, err)
+
+	select {
+	case offs := <-lost:
+		assert.ElementsMatch(t, []int64{7, 8}, offs)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the loss was not reported")
+	}
+	assert.Equal(t, 0, c.Held())
+	testdb.Eventually(t, 5*time.Second, "reconnected", func() bool { return c.Reconnects() == 1 })
+	assert.NotEqual(t, gen, c.Gen())
+	n, err := c.Unlock([]int64{7}, gen) // a lock of the lost generation: nothing to do
+	require.NoError(t, err)
+	assert.Equal(t, 0, n)
+	got, _, err := c.TryLock([]int64{7})
+	require.NoError(t, err)
+	assert.Equal(t, []int64{7}, got)
+}
+
+// A5: a connection whose statements land on different server sessions, as behind a
+// transaction-mode pooler, is refused with ErrNotSessionConnection.
+func TestOpen_A5_refusesTransactionPooledConnection(t *testing.T) {
+	t.Parallel()
+	_, err := advisory.Open(context.Background(), pooledLike{dbx.NewPgxPool(testdb.Pgx(t))}, advisory.Options{Key1: advisory.Namespace})
+	require.Error(t, err)
+	assert.True(t, errors.Is(err, advisory.ErrNotSessionConnection), "got %v", err)
+	assert.Contains(t, err.Error(), "PgBouncer")
+}
+
+// pooledLike hands out "connections" whose statements alternate between two server sessions.
+type pooledLike struct{ *dbx.PgxPool }
+
+func (p pooledLike) Dedicated(ctx context.Context) (dbx.Conn, error) {
+	a, err := p.PgxPool.Acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	b, err := p.PgxPool.Acquire(ctx)
+	if err != nil {
+		a.Release()
+		return nil, err
+	}
+	return &alternating{conns: [2]dbx.Conn{a, b}}, nil
+}
+
+type alternating struct {
+	conns [2]dbx.Conn
+	n     int
+}
+
+func (c *alternating) next() dbx.Conn { c.n++; return c.conns[c.n%2] }
+
+func (c *alternating) Exec(ctx context.Context, sql string, args ...any) (int64, error) {
+	return c.next().Exec(ctx, sql, args...)
+}
+
+func (c *alternating) Query(ctx context.Context, sql string, args ...any) (dbx.Rows, error) {
+	return c.next().Query(ctx, sql, args...)
+}
+func (c *alternating) Begin(ctx context.Context) (dbx.Tx, error) { return c.next().Begin(ctx) }
+func (c *alternating) PID(ctx context.Context) (uint32, error)   { return c.conns[0].PID(ctx) }
+func (c *alternating) Cancel(ctx context.Context) (bool, error)  { return c.conns[c.n%2].Cancel(ctx) }
+func (c *alternating) Release()                                  { c.Destroy() }
+func (c *alternating) Destroy()                                  { c.conns[0].Destroy(); c.conns[1].Destroy() }

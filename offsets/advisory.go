@@ -1,0 +1,151 @@
+package offsets
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+)
+
+// The statements of the advisory-lock claim mode. A claim held by an advisory lock has
+// visible_at = 'infinity': no "due" step takes it back by time; only its lock says whether its
+// holder is alive. Ack, nack and release are the lease mode's statements, fenced by the token.
+
+// claimLockedSQL claims up to $4 messages for group $1 under token $2 and takes their advisory
+// locks (key1 $3, key2 the offset's low 32 bits) in the same statement, so a claim row becomes
+// visible to other consumers only once its lock is held: no one can ever see it as orphaned
+// while its claimer lives.
+//   - due, g, m: as in the lease mode's claim, the candidates: claims due again (nacked or
+//     released, backoff passed), then the next messages after the group's position (M2).
+//   - lk: tries the lock of exactly each candidate, leaving out $5 (offsets whose lock this
+//     session holds already: session locks are re-entrant). It reads the materialised
+//     candidates, after their LIMIT, has no LIMIT of its own (A4), and aggregates: every
+//     candidate is tried exactly once, before any step uses the result.
+//   - r: due claims whose lock was taken are held under the token, one attempt more; the others
+//     stay due.
+//   - ins, upd: every new message gets a claim row, held ('infinity', the token, attempt 1)
+//     when its lock was taken, otherwise due at once (attempt 0) for a later round; the
+//     position advances past all of them.
+func claimLockedSQL(t Tables) string {
+	return fmt.Sprintf(`WITH due AS (
+	SELECT "offset" FROM %[3]s
+	WHERE "group_id" = $1 AND "visible_at" <= now()
+	ORDER BY "offset" LIMIT $4
+	FOR UPDATE SKIP LOCKED
+), g AS (
+	SELECT "last_xid", "last_offset" FROM %[1]s
+	WHERE "group_id" = $1 AND (SELECT count(*) FROM due) < $4
+	FOR UPDATE
+), m AS MATERIALIZED (
+	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata"
+	FROM %[2]s m, g
+	WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
+	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
+	ORDER BY m."xid", m."offset"
+	LIMIT $4 - (SELECT count(*) FROM due)
+), cand AS MATERIALIZED (
+	SELECT "offset" AS o FROM due
+	UNION ALL
+	SELECT "offset" FROM m
+), lk AS MATERIALIZED (
+	SELECT coalesce(array_agg(o), '{}') AS os FROM cand
+	WHERE o <> ALL ($5::bigint[]) AND pg_try_advisory_lock($3::int4, (o::bit(32))::int4)
+), r AS (
+	UPDATE %[3]s c SET "token" = $2, "visible_at" = 'infinity', "attempts" = c."attempts" + 1
+	FROM due, lk
+	WHERE c."group_id" = $1 AND c."offset" = due."offset" AND due."offset" = ANY (lk.os)
+	RETURNING c."offset", c."attempts"
+), ins AS (
+	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
+	SELECT $1, m."offset",
+		CASE WHEN m."offset" = ANY (lk.os) THEN $2 ELSE 0 END,
+		CASE WHEN m."offset" = ANY (lk.os) THEN 'infinity' ELSE now() END,
+		CASE WHEN m."offset" = ANY (lk.os) THEN 1 ELSE 0 END
+	FROM m, lk
+), upd AS (
+	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
+	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
+	WHERE "group_id" = $1
+)
+SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM (
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o
+	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
+	UNION ALL
+	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
+	FROM m, lk WHERE m."offset" = ANY (lk.os)
+) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims)
+}
+
+// heldSQL lists claims of group $1 held by a lock (visible_at 'infinity') after offset $2, in
+// offset order, leaving out the offsets in $3 (the caller's own deliveries), up to $4. The
+// caller tries the locks of exactly these offsets (never pg_try_advisory_lock under a LIMIT,
+// A4): a lock it can take belongs to a claim whose consumer is gone. It walks the group's
+// claims a page at a time, from where the previous page ended, so every claim is looked at
+// however many live ones come first. (Reading pg_locks instead costs a copy of the server's
+// whole lock table per call: tens of milliseconds with a few thousand locks held.)
+const heldSQL = `SELECT c."offset" FROM %s c
+WHERE c."group_id" = $1 AND c."visible_at" = 'infinity' AND c."offset" > $2
+  AND c."offset" <> ALL ($3::bigint[])
+ORDER BY c."offset"
+LIMIT $4`
+
+// adoptSQL takes over orphaned claims whose locks the caller now holds, under its token, one
+// attempt more. It runs after the locks were taken, so its snapshot sees every settlement that
+// committed before the previous holder let go: a claim that was acked meanwhile is gone, one
+// that was nacked or released is no longer 'infinity', and neither is returned (A4).
+const adoptSQL = `WITH r AS (
+	UPDATE %[1]s c SET "token" = $2, "attempts" = c."attempts" + 1
+	WHERE c."group_id" = $1 AND c."offset" = ANY ($3::bigint[]) AND c."visible_at" = 'infinity'
+	RETURNING c."offset", c."attempts"
+)
+SELECT m."offset", m."uuid", m."payload", m."metadata"::text, r."attempts"
+FROM r JOIN %[2]s m ON m."offset" = r."offset"
+ORDER BY m."offset"`
+
+// ClaimLocked is Claim for the advisory-lock mode, in one statement that also takes the
+// advisory locks of exactly the messages it claims (see claimLockedSQL). Run it on the
+// connection that holds the locks, with key1 the group's lock key and skip the offsets whose
+// locks that connection already holds. It returns the claimed messages: those whose lock it
+// took. If it fails, locks it took before failing stay with the session: close the connection.
+func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit int, key1 int32, skip []int64, out []Claimed) ([]Claimed, error) {
+	if skip == nil {
+		skip = []int64{}
+	}
+	rows, err := q.Query(ctx, claimLockedSQL(s.T), groupID, token, key1, limit, skip)
+	if err != nil {
+		return out, err
+	}
+	return scanClaimed(rows, out)
+}
+
+// HeldAfter returns up to limit offsets after offset after of claims of the group held by a
+// lock, leaving out the offsets in skip. Which of them are orphans only their locks can say.
+func (s *Store) HeldAfter(ctx context.Context, q dbx.Querier, groupID int32, after int64, skip []int64, limit int) ([]int64, error) {
+	if skip == nil {
+		skip = []int64{}
+	}
+	rows, err := q.Query(ctx, fmt.Sprintf(heldSQL, s.T.Claims), groupID, after, skip, limit)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []int64
+	for rows.Next() {
+		var o int64
+		if err := rows.Scan(&o); err != nil {
+			return nil, err
+		}
+		out = append(out, o)
+	}
+	return out, rows.Err()
+}
+
+// Adopt takes over the orphaned claims at offs, whose locks the caller holds, under token,
+// and returns the messages of those still unsettled.
+func (s *Store) Adopt(ctx context.Context, q dbx.Querier, groupID int32, token int64, offs []int64, out []Claimed) ([]Claimed, error) {
+	rows, err := q.Query(ctx, fmt.Sprintf(adoptSQL, s.T.Claims, s.T.Messages), groupID, token, offs)
+	if err != nil {
+		return out, err
+	}
+	return scanClaimed(rows, out)
+}

@@ -1,0 +1,487 @@
+package sqlbroker
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/sqlbroker/watermill-sqlbroker/advisory"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+)
+
+// The advisory-lock claim mode (ClaimAdvisoryLock) on top of a subscription.
+//
+// Each subscription keeps one lock connection (package advisory). A delivery is held by the
+// session advisory lock (key1 of the topic and group, key2 = its offset) on that connection;
+// its claim row has visible_at 'infinity'. Why nobody else can take a message in work:
+//
+//   - New messages and claims due again (nacked, released) are claimed by one statement on the
+//     lock connection that also takes the locks of exactly the offsets it claims (see
+//     offsets.Store.ClaimLocked). So a claim row becomes visible to others only with its lock
+//     already held: no window in which it looks orphaned. A lock that cannot be taken (its
+//     previous holder is still unlocking after a nack, or a key collision) leaves the claim
+//     due for a later round. The statement runs under its own timeout, never the
+//     subscription's cancel; if it fails, the lock connection is closed (whatever it locked
+//     before failing goes with it) and opened again.
+//   - A claim whose lock is free and whose row is still 'infinity' is an orphan (its consumer
+//     died or lost its lock connection). Each claim round, at most once per PollInterval,
+//     reads a page of the group's held claims, tries the locks of exactly those offsets, then
+//     re-reads and takes over the rows whose lock it got, under a new token, in a statement
+//     that starts after the locks were taken (A4): a row settled meanwhile is gone or no
+//     longer 'infinity' and is dropped, its lock released. No timeout is involved (A2).
+//   - Ack and nack are applied in the database (fenced by the token, as in lease mode) and then
+//     the lock is released.
+//   - The lock connection failing frees its locks: the deliveries it held lose their claim,
+//     their contexts are cancelled with ErrLeaseLost, their settlements are refused as stale,
+//     and the connection is opened again (A3).
+type advisoryState struct {
+	sub  *subscription
+	conn *advisory.Conn
+	key1 int32
+
+	roundGen    uint64    // lock generation of the claim round being handed out (claim loop only)
+	lastRescue  time.Time // claim loop only
+	rescueAfter int64     // claim loop only: where the walk for orphans goes on
+	settling    sync.WaitGroup
+	closed      bool          // guarded by sub.mu: Shutdown released the locks; settlements are refused
+	released    chan struct{} // closed by Shutdown once the locks of deliveries in work are released
+	idle        chan struct{} // closed when the subscription stopped and every settlement is done
+	shutdownOne sync.Once
+}
+
+// openAdvisory opens the subscription's lock connection (advisory mode only). ctx bounds the
+// connect.
+func (sub *subscription) openAdvisory(ctx context.Context) error {
+	if sub.cfg.ClaimMode != ClaimAdvisoryLock {
+		return nil
+	}
+	a := &advisoryState{
+		sub:      sub,
+		key1:     advisory.Key1(sub.store.T.Messages, sub.cfg.ConsumerGroup),
+		released: make(chan struct{}),
+		idle:     make(chan struct{}),
+	}
+	conn, err := advisory.Open(ctx, sub.s.db, advisory.Options{
+		Key1:          a.key1,
+		CheckInterval: sub.cfg.LockCheckInterval,
+		OnLost:        a.lost,
+		Logger:        sub.logger,
+	})
+	if err != nil {
+		return err
+	}
+	a.conn = conn
+	sub.adv = a
+	return nil
+}
+
+// run watches the lock connection (A3) until the subscription has stopped and every
+// settlement is done, or Shutdown closed the connection; then it closes the connection.
+func (a *advisoryState) run() {
+	defer a.sub.wg.Done()
+	go func() {
+		<-a.sub.claimDone
+		a.sub.awaits.Wait()
+		a.settling.Wait()
+		close(a.idle)
+	}()
+	a.conn.Run(a.idle)
+	select {
+	case <-a.sub.s.shutdown:
+		// Shutdown releases what is left and closes the connection, and counts both (S9).
+		<-a.released
+	default:
+		a.conn.Close() // the subscription stopped by itself and nothing is held any more
+	}
+}
+
+func (a *advisoryState) locksHeld() int { return a.conn.Held() }
+
+// lost is called by the lock connection with the offsets whose locks went with it.
+func (a *advisoryState) lost(offs []int64) {
+	a.sub.mu.Lock()
+	ds := make([]*delivery, 0, len(offs))
+	for _, o := range offs {
+		if d := a.sub.inWork[o]; d != nil {
+			ds = append(ds, d)
+		}
+	}
+	a.sub.mu.Unlock()
+	a.lose(ds)
+}
+
+// lose marks deliveries whose locks are gone: their contexts end with ErrLeaseLost, their
+// settlements will be refused (A3).
+func (a *advisoryState) lose(ds []*delivery) {
+	for _, d := range ds {
+		d.mu.Lock()
+		was := d.lost
+		d.lost = true
+		d.mu.Unlock()
+		if was {
+			continue
+		}
+		a.sub.s.stats.leasesLost.Add(1)
+		a.sub.logger.Info("Advisory lock lost with its connection; the message may be redelivered", a.sub.fields(d.offset))
+		d.cancel(ErrLeaseLost)
+	}
+}
+
+// registered is called by handOut once the deliveries of a round are in the work set: a lock
+// connection lost since the round took its locks lost them too.
+func (a *advisoryState) registered(ds []*delivery) {
+	for _, d := range ds {
+		d.gen = a.roundGen
+	}
+	if a.conn.Gen() != a.roundGen {
+		a.lose(ds)
+	}
+}
+
+// claim is the advisory claim round: orphans first, then claims due again and new messages.
+func (a *advisoryState) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed, int64, error) {
+	sub := a.sub
+	token := rand.Int64N(1<<62) + 1
+	a.roundGen = 0
+	if time.Since(a.lastRescue) >= sub.cfg.PollInterval {
+		a.lastRescue = time.Now()
+		var err error
+		buf, err = a.rescue(buf, n, token)
+		if err != nil {
+			return buf[:0], token, err
+		}
+	}
+	rescued := len(buf)
+	if rescued < n {
+		claimed, gen, err := a.claimNew(buf, n-rescued, token)
+		if err != nil {
+			a.giveBackNow(buf[:rescued], token, a.roundGen)
+			return buf[:0], token, err
+		}
+		if rescued > 0 && gen != a.roundGen && len(claimed) > rescued {
+			// The connection was lost between the two steps: the orphans' locks are gone (their
+			// rows are orphans again); give back the new claims.
+			a.giveBackNow(claimed[rescued:], token, gen)
+			return claimed[:0], token, nil
+		}
+		buf = claimed
+		if rescued == 0 {
+			a.roundGen = gen
+		}
+	}
+	return buf, token, nil
+}
+
+// rescuePage is how many claims held by a lock one claim round looks at for orphans.
+const rescuePage = 256
+
+// rescue takes over up to n orphaned claims (A2): it walks the group's claims held by a lock,
+// a page a round, tries the locks of exactly those offsets, and adopts the rows whose lock it
+// got and that still read as held once the lock is ours (A4).
+func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]offsets.Claimed, error) {
+	sub := a.sub
+	sub.mu.Lock()
+	skip := make([]int64, 0, len(sub.inWork))
+	for o := range sub.inWork {
+		skip = append(skip, o)
+	}
+	sub.mu.Unlock()
+	cands, err := sub.store.HeldAfter(sub.ctx, sub.s.db, sub.groupID, a.rescueAfter, skip, rescuePage)
+	if err != nil {
+		return buf, err
+	}
+	if len(cands) < rescuePage {
+		a.rescueAfter = 0 // the end: start over next time
+	} else {
+		a.rescueAfter = cands[len(cands)-1]
+	}
+	if len(cands) == 0 {
+		return buf, nil
+	}
+	locked, gen, err := a.conn.TryLock(cands)
+	if err != nil || len(locked) == 0 {
+		return buf, err
+	}
+	if len(locked) > n {
+		a.unlock(locked[n:], gen) // no room for them this round
+		locked = locked[:n]
+	}
+	// From here the locks are ours: finish without the subscription's cancel.
+	ctx, cancel := dbx.CleanupContext(sub.ctx)
+	defer cancel()
+	got, err := sub.store.Adopt(ctx, sub.s.db, sub.groupID, token, locked, buf)
+	if err != nil {
+		a.unlock(locked, gen)
+		return buf[:0], err
+	}
+	if len(got) < len(locked) {
+		kept := make(map[int64]bool, len(got))
+		for _, c := range got {
+			kept[c.Offset] = true
+		}
+		var drop []int64
+		for _, o := range locked {
+			if !kept[o] {
+				drop = append(drop, o)
+			}
+		}
+		a.unlock(drop, gen) // settled meanwhile (A4)
+	}
+	if len(got) > 0 {
+		a.roundGen = gen
+		sub.logger.Debug("Took over claims whose consumer is gone", watermill.LogFields{"count": len(got)})
+	}
+	return got, nil
+}
+
+// claimNew claims due and new messages on the lock connection, taking their locks in the
+// statement that claims them.
+func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64) ([]offsets.Claimed, uint64, error) {
+	sub := a.sub
+	start := len(buf)
+	out := buf
+	gen, err := a.conn.Claim(func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error) {
+		var err error
+		out, err = sub.store.ClaimLocked(ctx, q, sub.groupID, token, n, a.key1, held, buf)
+		if err != nil {
+			return nil, err
+		}
+		locked := make([]int64, 0, len(out)-start)
+		for _, c := range out[start:] {
+			locked = append(locked, c.Offset)
+		}
+		return locked, nil
+	})
+	if err != nil {
+		return buf, 0, err
+	}
+	return out, gen, nil
+}
+
+// giveBackNow releases claims of this round, locked under gen, that will not be handed out.
+func (a *advisoryState) giveBackNow(cs []offsets.Claimed, token int64, gen uint64) {
+	if len(cs) == 0 {
+		return
+	}
+	fs := make([]offsets.Fenced, len(cs))
+	for i, c := range cs {
+		fs[i] = offsets.Fenced{Offset: c.Offset, Token: token}
+	}
+	a.releaseGen(fs, gen)
+}
+
+// release gives back claims of the round being handed out that never reached a handler, then
+// drops their locks (M5).
+func (a *advisoryState) release(fs []offsets.Fenced) { a.releaseGen(fs, a.roundGen) }
+
+func (a *advisoryState) releaseGen(fs []offsets.Fenced, gen uint64) {
+	sub := a.sub
+	ctx, cancel := dbx.CleanupContext(sub.ctx)
+	done, err := sub.store.Release(ctx, sub.s.db, sub.groupID, fs)
+	cancel()
+	offs := make([]int64, len(fs))
+	for i, f := range fs {
+		offs[i] = f.Offset
+	}
+	if err != nil {
+		sub.s.stats.errors.Add(1)
+		sub.logger.Error("Releasing undelivered claims failed; unlocking them, the group takes them over", err, watermill.LogFields{"count": len(fs)})
+	} else {
+		sub.s.stats.released.Add(int64(len(done)))
+		sub.releasedAtStop.Add(int64(len(done)))
+	}
+	a.unlock(offs, gen)
+}
+
+// unlock drops locks of gen; a failure loses the connection, which frees them anyway.
+func (a *advisoryState) unlock(offs []int64, gen uint64) {
+	if len(offs) == 0 {
+		return
+	}
+	if _, err := a.conn.Unlock(offs, gen); err != nil {
+		a.sub.s.stats.errors.Add(1)
+	}
+}
+
+// await waits for the handler's ack or nack and queues it for the settle loop, unless
+// Shutdown released the locks first (S5).
+func (a *advisoryState) await(d *delivery) {
+	sub := a.sub
+	defer sub.awaits.Done()
+	var op string
+	select {
+	case <-d.msg.Acked():
+		op = "ack"
+	case <-d.msg.Nacked():
+		op = "nack"
+	case <-a.released:
+		a.awaitLate(d)
+		return
+	}
+	sub.mu.Lock()
+	closed := a.closed
+	if !closed {
+		a.settling.Add(1)
+		d.mu.Lock()
+		d.settling = true
+		d.mu.Unlock()
+	}
+	sub.mu.Unlock()
+	if closed {
+		a.refuseClosed(d, op)
+		sub.forget(d)
+		return
+	}
+	sub.settleCh <- settlement{d: d, op: op}
+}
+
+// awaitLate waits, up to CloseTimeout, for the settlement of a delivery whose lock Shutdown
+// released, to refuse and report it.
+func (a *advisoryState) awaitLate(d *delivery) {
+	t := time.NewTimer(a.sub.cfg.CloseTimeout)
+	defer t.Stop()
+	select {
+	case <-d.msg.Acked():
+		a.refuseClosed(d, "ack")
+	case <-d.msg.Nacked():
+		a.refuseClosed(d, "nack")
+	case <-t.C:
+	}
+	a.sub.forget(d)
+}
+
+// refuseClosed counts and logs a settlement that came after Shutdown released its lock: it is
+// not applied, and the message may already be with another consumer (S5).
+func (a *advisoryState) refuseClosed(d *delivery, op string) {
+	sub := a.sub
+	sub.s.stats.stale.Add(1)
+	serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: d.offset, Op: op}
+	sub.logger.Error("Settlement after shutdown refused", fmt.Errorf("%w: %w", ErrClosed, serr), nil)
+}
+
+// apply is subscription.apply for the advisory mode: settle in the database, fenced by the
+// token, then unlock. A delivery whose lock was lost is refused without a statement (A3).
+func (a *advisoryState) apply(op string, sts []settlement) []settlement {
+	sub := a.sub
+	var these []settlement
+	var fs []offsets.Fenced
+	for _, st := range sts {
+		if st.op != op {
+			continue
+		}
+		st.d.mu.Lock()
+		lost := st.d.lost
+		st.d.mu.Unlock()
+		if lost || a.locksReleased() {
+			a.refuse(st, lost)
+			continue
+		}
+		these = append(these, st)
+		fs = append(fs, offsets.Fenced{Offset: st.d.offset, Token: st.d.token})
+	}
+	if len(fs) == 0 {
+		return nil
+	}
+	ctx, cancel := dbx.CleanupContext(sub.ctx)
+	var done map[int64]bool
+	var err error
+	if op == "ack" {
+		done, err = sub.store.Ack(ctx, sub.s.db, sub.groupID, fs)
+	} else {
+		done, err = sub.store.Nack(ctx, sub.s.db, sub.groupID, fs, sub.cfg.NackBackoff)
+	}
+	cancel()
+	if err != nil {
+		sub.s.stats.errors.Add(1)
+		sub.logger.Error("Settlement failed, retrying while the lock holds", err, watermill.LogFields{"op": op, "count": len(these)})
+		return these // apply refuses them once their lock is gone
+	}
+	byGen := map[uint64][]int64{}
+	for _, st := range these {
+		if done[st.d.offset] {
+			if op == "ack" {
+				sub.s.stats.acked.Add(1)
+			} else {
+				sub.s.stats.nacked.Add(1)
+			}
+		} else {
+			// The row no longer carries this delivery's token although its lock was held.
+			sub.s.stats.stale.Add(1)
+			serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: st.d.offset, Op: op}
+			st.d.mu.Lock()
+			lost := st.d.lost
+			st.d.mu.Unlock()
+			sub.logger.Error("Settlement refused", serr, watermill.LogFields{"lock_lost_before": lost})
+		}
+		byGen[st.d.gen] = append(byGen[st.d.gen], st.d.offset)
+	}
+	for gen, offs := range byGen {
+		a.unlock(offs, gen)
+	}
+	for _, st := range these {
+		sub.forget(st.d)
+		a.settling.Done()
+	}
+	return nil
+}
+
+// refuse drops a settlement of a delivery whose lock is gone: lost with its connection (A3),
+// or released by Shutdown (S5).
+func (a *advisoryState) refuse(st settlement, lost bool) {
+	sub := a.sub
+	sub.s.stats.stale.Add(1)
+	serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: st.d.offset, Op: st.op}
+	if lost {
+		sub.logger.Error("Settlement refused: the advisory lock was lost", serr, nil)
+	} else {
+		sub.logger.Error("Settlement refused", fmt.Errorf("%w: %w", ErrClosed, serr), nil)
+	}
+	sub.forget(st.d)
+	a.settling.Done()
+}
+
+// shutdown is the advisory part of Shutdown (S5): refuse new settlements, wait for those in
+// flight, then release the lock of every delivery still in work and close the lock
+// connection. It returns the locks it released and the connections it closed.
+func (a *advisoryState) shutdown(ctx context.Context) (released, closed int, err error) {
+	a.shutdownOne.Do(func() {
+		sub := a.sub
+		sub.mu.Lock()
+		a.closed = true
+		sub.mu.Unlock()
+
+		settled := make(chan struct{})
+		go func() {
+			a.settling.Wait()
+			close(settled)
+		}()
+		select {
+		case <-settled:
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+
+		n, c := a.conn.Close()
+		released = n
+		if c {
+			closed = 1
+		}
+		close(a.released)
+	})
+	return released, closed, err
+}
+
+// locksReleased reports whether Shutdown released the locks of the deliveries in work.
+func (a *advisoryState) locksReleased() bool {
+	select {
+	case <-a.released:
+		return true
+	default:
+		return false
+	}
+}
