@@ -61,7 +61,7 @@ func joinErrors(errs []error) error {
 //     ErrClosed as their cause.
 //  5. Lease mode: deliveries still in work keep their leases, which run out unless the
 //     delivery settles first (S4).
-//  5. Advisory mode: settlements already in flight finish, then the lock of every delivery
+//  6. Advisory mode: settlements already in flight finish, then the lock of every delivery
 //     still in work is released and the lock connections close (S5); a later settlement is
 //     refused. LocksReleased and ConnectionsClosed count exactly that (S9).
 //
@@ -131,7 +131,7 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		rep.LeasesLeft = rep.DeliveriesInWork
 	}
 
-	// 5. Advisory mode: settlements already in flight finish; then the lock of every delivery
+	// 6. Advisory mode: settlements already in flight finish; then the lock of every delivery
 	//    still in work is released and the lock connections are closed (S5). A settlement
 	//    that comes later is refused, counted and logged with ErrClosed.
 	for _, sub := range subs {

@@ -109,8 +109,10 @@ func receive(t testing.TB, ch <-chan *message.Message, timeout time.Duration) *m
 }
 
 // advisoryStdMaxOpen sizes the lib/pq pool of the advisory suites: up to 50 lock connections
-// of Watermill's TestConcurrentSubscribe, plus room for claims and settlements.
-const advisoryStdMaxOpen = 70
+// of Watermill's TestConcurrentSubscribe, plus room for the claims and settlements of the
+// other tests running beside it. Idle connections are kept (up to the same number): with
+// fewer, every statement past them would open a new server process.
+const advisoryStdMaxOpen = 110
 
 var (
 	advStdOnce sync.Once
@@ -127,8 +129,8 @@ func advisoryStd(t testing.TB) *sql.DB {
 			return
 		}
 		advStdDB.SetMaxOpenConns(advisoryStdMaxOpen)
-		advStdDB.SetMaxIdleConns(10)
-		advStdDB.SetConnMaxIdleTime(5 * time.Second)
+		advStdDB.SetMaxIdleConns(advisoryStdMaxOpen)
+		advStdDB.SetConnMaxIdleTime(30 * time.Second)
 	})
 	require.NoError(t, advStdErr)
 	return advStdDB
