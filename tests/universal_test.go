@@ -79,6 +79,13 @@ func constructors(d driver, mode sqlbroker.ClaimMode, ordered bool) (tests.PubSu
 		if err != nil {
 			t.Fatal(err)
 		}
+		// Closed again when the test ends (Close is idempotent): the suite's
+		// TestPublishSubscribeInOrder closes its fan-in subscriber in a defer whose argument
+		// is evaluated at once, then subscribes it, which builds subscribers nothing closes.
+		t.Cleanup(func() {
+			_ = sub.Close()
+			_ = pub.Close()
+		})
 		return pub, sub
 	}
 	// Without a group, every subscriber the suite builds is a consumer of its own (like a
