@@ -2,10 +2,10 @@
 SQLBROKER_TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 export SQLBROKER_TEST_POSTGRES_URL
 
-.PHONY: test test-race test-reconnect chaos-soak fuzz bench example
+.PHONY: test test-race test-universal test-reconnect chaos-soak fuzz bench example
 
 # Everything CI runs.
-test: test-race test-advisory-libpq test-reconnect
+test: test-race test-universal test-reconnect
 
 # Every package under the race detector, one package at a time (the chaos suite holds the
 # xmin horizon back and terminates connections: run beside the others it would slow them
@@ -14,18 +14,18 @@ test: test-race test-advisory-libpq test-reconnect
 test-race:
 	go vet ./...
 	rm -f chaos-totals.txt
-	SQLBROKER_CHAOS_TOTALS=$(CURDIR)/chaos-totals.txt go test -race -count=1 -p 1 -timeout 20m -skip 'TestUniversal_Advisory/libpq' ./...; \
+	SQLBROKER_CHAOS_TOTALS=$(CURDIR)/chaos-totals.txt go test -race -count=1 -p 1 -timeout 20m -skip 'TestUniversal_' ./...; \
 		status=$$?; cat chaos-totals.txt 2>/dev/null; exit $$status
 
 # The chaos suite for longer: publish and inject faults for 10 minutes per claim mode.
 chaos-soak:
 	go test -race -count=1 -timeout 60m -v -run TestChaos ./tests/chaos/ -chaos.soak=10m
 
-# The universal suite in advisory mode with lib/pq, its tests one at a time: under -race on two
-# cores, the lock connections and claims of the suite's 50-subscriber tests slow the test
-# running beside them past the suite's fixed 15 s read windows (each passes alone).
-test-advisory-libpq:
-	go test -race -count=1 -parallel 1 -timeout 15m -run 'TestUniversal_Advisory/libpq' ./tests/
+# Watermill's universal suites (both drivers, both claim modes, and the ordered
+# configuration), one test at a time: under -race on two cores, the 50-subscriber tests slow
+# the test running beside them past the suite's fixed 15 s read windows (each passes alone).
+test-universal:
+	go test -race -count=1 -parallel 1 -timeout 30m -run 'TestUniversal_' ./tests/
 
 # Watermill's TestReconnect restarts PostgreSQL. It runs in its own pass, alone, and without
 # -race: the universal suite's TestReconnect reads a slice its own goroutine appends to

@@ -674,6 +674,17 @@ func (sub *subscription) settleLoop() {
 	}
 }
 
+// settleStatement applies acks or nacks (op) of the fenced claims in one statement, under a
+// cleanup context, and returns the offsets it settled.
+func (sub *subscription) settleStatement(op string, fs []offsets.Fenced) (map[int64]bool, error) {
+	ctx, cancel := dbx.CleanupContext(sub.ctx)
+	defer cancel()
+	if op == "ack" {
+		return sub.store.Ack(ctx, sub.s.db, sub.groupID, fs)
+	}
+	return sub.store.Nack(ctx, sub.s.db, sub.groupID, fs, sub.cfg.NackBackoff)
+}
+
 // apply runs the settlements of kind op among sts in one statement and returns those that
 // failed with a database error and may be retried.
 func (sub *subscription) apply(op string, sts []settlement) []settlement {
@@ -691,15 +702,7 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 	if len(fs) == 0 {
 		return nil
 	}
-	ctx, cancel := dbx.CleanupContext(sub.ctx)
-	var done map[int64]bool
-	var err error
-	if op == "ack" {
-		done, err = sub.store.Ack(ctx, sub.s.db, sub.groupID, fs)
-	} else {
-		done, err = sub.store.Nack(ctx, sub.s.db, sub.groupID, fs, sub.cfg.NackBackoff)
-	}
-	cancel()
+	done, err := sub.settleStatement(op, fs)
 	if err != nil {
 		sub.s.stats.errors.Add(1)
 		var retry []settlement

@@ -387,15 +387,7 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 	if len(fs) == 0 {
 		return nil
 	}
-	ctx, cancel := dbx.CleanupContext(sub.ctx)
-	var done map[int64]bool
-	var err error
-	if op == "ack" {
-		done, err = sub.store.Ack(ctx, sub.s.db, sub.groupID, fs)
-	} else {
-		done, err = sub.store.Nack(ctx, sub.s.db, sub.groupID, fs, sub.cfg.NackBackoff)
-	}
-	cancel()
+	done, err := sub.settleStatement(op, fs)
 	if err != nil {
 		sub.s.stats.errors.Add(1)
 		sub.logger.Error("Settlement failed, retrying while the lock holds", err, watermill.LogFields{"op": op, "count": len(these)})

@@ -52,7 +52,8 @@ func TestAdvisory_A1_deliveryHeldByLock(t *testing.T) {
 			rep, err := sub.Shutdown(context.Background())
 			require.NoError(t, err)
 			assert.Equal(t, 0, rep.LocksReleased)
-			assert.Equal(t, 1, rep.ConnectionsClosed)
+			// The lock connection, and the process's LISTEN connection when this was its last user.
+			assert.Contains(t, []int{1, 2}, rep.ConnectionsClosed)
 			requireNoLocksLeft(t, key1)
 		})
 	}
@@ -258,7 +259,8 @@ func TestShutdown_S9_advisoryLocksReleased(t *testing.T) {
 			rep, err := sub.Shutdown(context.Background())
 			require.NoError(t, err)
 			assert.Equal(t, n, rep.LocksReleased)
-			assert.Equal(t, 1, rep.ConnectionsClosed)
+			// The lock connection, and the process's LISTEN connection when this was its last user.
+			assert.Contains(t, []int{1, 2}, rep.ConnectionsClosed)
 			assert.Equal(t, n, rep.DeliveriesInWork)
 			assert.Equal(t, 0, advisoryLocks(t, key1), "locks after Shutdown")
 			testdb.Eventually(t, 5*time.Second, "the lock connection's backend gone", func() bool {
