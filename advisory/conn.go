@@ -176,7 +176,7 @@ func (c *Conn) TryLock(offsets []int64) ([]int64, uint64, error) {
 		return nil, gen, nil
 	}
 	ctx, cancel := stmtContext()
-	locked, err := scanOffsets(c.conn.Query(ctx, tryLockSQL, c.opt.Key1, try))
+	locked, err := dbx.ScanInt64s(c.conn.Query(ctx, tryLockSQL, c.opt.Key1, try))
 	cancel()
 	if err != nil {
 		lost := c.failLocked(err)
@@ -436,20 +436,4 @@ func (c *Conn) Close() (released int, closed bool) {
 	c.mu.Unlock()
 	c.report(lost)
 	return n, closed
-}
-
-func scanOffsets(rows dbx.Rows, err error) ([]int64, error) {
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []int64
-	for rows.Next() {
-		var o int64
-		if err := rows.Scan(&o); err != nil {
-			return nil, err
-		}
-		out = append(out, o)
-	}
-	return out, rows.Err()
 }

@@ -23,6 +23,8 @@ import (
 //     candidate is tried exactly once, before any step uses the result.
 //   - r: due claims whose lock was taken are held under the token, one attempt more; the others
 //     stay due.
+//   - m reads the position through scalar subqueries, so that it bounds the index scan of
+//     (xid, offset), as in the lease mode's claim (store.go).
 //   - ins, upd: every new message gets a claim row, held ('infinity', the token, attempt 1)
 //     when its lock was taken, otherwise due at once (attempt 0) for a later round; the
 //     position advances past all of them.
@@ -38,8 +40,8 @@ func claimLockedSQL(t Tables) string {
 	FOR UPDATE
 ), m AS MATERIALIZED (
 	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata"
-	FROM %[2]s m, g
-	WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
+	FROM %[2]s m
+	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
 	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
 	ORDER BY m."xid", m."offset"
 	LIMIT $4 - (SELECT count(*) FROM due)
@@ -124,20 +126,7 @@ func (s *Store) HeldAfter(ctx context.Context, q dbx.Querier, groupID int32, aft
 	if skip == nil {
 		skip = []int64{}
 	}
-	rows, err := q.Query(ctx, fmt.Sprintf(heldSQL, s.T.Claims), groupID, after, skip, limit)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []int64
-	for rows.Next() {
-		var o int64
-		if err := rows.Scan(&o); err != nil {
-			return nil, err
-		}
-		out = append(out, o)
-	}
-	return out, rows.Err()
+	return dbx.ScanInt64s(q.Query(ctx, fmt.Sprintf(heldSQL, s.T.Claims), groupID, after, skip, limit))
 }
 
 // Adopt takes over the orphaned claims at offs, whose locks the caller holds, under token,

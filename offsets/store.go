@@ -227,19 +227,12 @@ func split(fs []Fenced) ([]int64, []int64) {
 }
 
 func applied(rows dbx.Rows, err error) (map[int64]bool, error) {
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	done := make(map[int64]bool)
-	for rows.Next() {
-		var off int64
-		if err := rows.Scan(&off); err != nil {
-			return done, err
-		}
+	offs, err := dbx.ScanInt64s(rows, err)
+	done := make(map[int64]bool, len(offs))
+	for _, off := range offs {
 		done[off] = true
 	}
-	return done, rows.Err()
+	return done, err
 }
 
 // Ack deletes the claims whose token still matches and returns the offsets it deleted; the

@@ -119,3 +119,20 @@ func InTx(ctx context.Context, b Beginner, fn func(Tx) error) error {
 	}
 	return tx.Commit(ctx)
 }
+
+// ScanInt64s reads the one bigint column of every row of a Query's result.
+func ScanInt64s(rows Rows, err error) ([]int64, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []int64
+	for rows.Next() {
+		var v int64
+		if err := rows.Scan(&v); err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, rows.Err()
+}
