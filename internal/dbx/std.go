@@ -96,8 +96,16 @@ func (p *StdPool) Acquire(ctx context.Context) (Conn, error) {
 }
 
 // Dedicated takes a connection from the *sql.DB: database/sql has no way to open one outside
-// its pool, so the connection counts against SetMaxOpenConns until it is destroyed.
-func (p *StdPool) Dedicated(ctx context.Context) (Conn, error) { return p.Acquire(ctx) }
+// its pool, so the connection counts against SetMaxOpenConns until it is destroyed. Its
+// statements run under the caller's context as they are: nothing cancels them on the side
+// (a cancel would make lib/pq close the connection, and a lock connection with it).
+func (p *StdPool) Dedicated(ctx context.Context) (Conn, error) {
+	c, err := p.DB.Conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &stdConn{stdQ: stdQ{c}, c: c, untracked: true}, nil
+}
 
 func (p *StdPool) Close() { _ = p.DB.Close() }
 
@@ -106,8 +114,9 @@ type stdConn struct {
 	c   *sql.Conn
 	pid uint32
 
-	mu      sync.Mutex
-	running context.CancelFunc // cancels the statement running now
+	untracked bool // Dedicated: Cancel is not offered
+	mu        sync.Mutex
+	running   context.CancelFunc // cancels the statement running now
 }
 
 // Exec and Query run under a context of the connection's own, which Cancel cancels: lib/pq
@@ -130,6 +139,9 @@ func (c *stdConn) Query(ctx context.Context, query string, args ...any) (Rows, e
 }
 
 func (c *stdConn) track(ctx context.Context) (context.Context, func()) {
+	if c.untracked {
+		return ctx, func() {}
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	c.mu.Lock()
 	c.running = cancel
