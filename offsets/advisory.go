@@ -28,15 +28,20 @@ import (
 //   - ins, upd: every new message gets a claim row, held ('infinity', the token, attempt 1)
 //     when its lock was taken, otherwise due at once (attempt 0) for a later round; the
 //     position advances past all of them.
-func claimLockedSQL(t Tables) string {
-	return fmt.Sprintf(`WITH due AS (
+//
+// with and cond are the asynchronous-commit prefix and condition of NewStore. The group row is
+// locked, as in the lease mode, only when a message is waiting after its position: an idle
+// poll locks and writes nothing.
+func claimLockedSQL(t Tables, with, cond string) string {
+	return fmt.Sprintf(`%[4]sdue AS (
 	SELECT "offset" FROM %[3]s
-	WHERE "group_id" = $1 AND "visible_at" <= now()
+	WHERE "group_id" = $1 AND "visible_at" <= now()%[5]s
 	ORDER BY "offset" LIMIT $4
 	FOR UPDATE SKIP LOCKED
 ), g AS (
-	SELECT "last_xid", "last_offset" FROM %[1]s
-	WHERE "group_id" = $1 AND (SELECT count(*) FROM due) < $4
+	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
+	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4
+	  AND (`+nextWaitingSQL+`) IS NOT NULL
 	FOR UPDATE
 ), m AS MATERIALIZED (
 	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata"
@@ -75,7 +80,7 @@ SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM 
 	UNION ALL
 	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
 	FROM m, lk WHERE m."offset" = ANY (lk.os)
-) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims)
+) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims, with, cond)
 }
 
 // heldSQL lists claims of group $1 held by a lock (visible_at 'infinity') after offset $2, in
@@ -113,7 +118,7 @@ func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, t
 	if skip == nil {
 		skip = []int64{}
 	}
-	rows, err := q.Query(ctx, claimLockedSQL(s.T), groupID, token, key1, limit, skip)
+	rows, err := q.Query(ctx, s.claimLockedSQL, groupID, token, key1, limit, skip)
 	if err != nil {
 		return out, err
 	}

@@ -20,16 +20,17 @@ const SchemaLockKey1 int32 = 0x53427363 // "SBsc"
 type Store struct {
 	T Tables
 
-	claimSQL     string
-	ackSQL       string
-	nackSQL      string
-	releaseSQL   string
-	extendSQL    string
-	insertPrefix string
-	ensureGrpSQL string
-	lookupGrpSQL string
-	horizonSQL   string
-	pruneSQL     string
+	claimSQL       string
+	claimLockedSQL string
+	ackSQL         string
+	nackSQL        string
+	releaseSQL     string
+	extendSQL      string
+	insertPrefix   string
+	ensureGrpSQL   string
+	lookupGrpSQL   string
+	horizonSQL     string
+	pruneSQL       string
 }
 
 // NewStore prepares the SQL text for t. With asyncCommit, claims, extensions and
@@ -71,10 +72,7 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 ), g AS (
 	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
 	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4
-	  AND EXISTS (
-		SELECT 1 FROM %[2]s nx
-		WHERE (nx."xid", nx."offset") > (gr."last_xid", gr."last_offset")
-		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot()))
+	  AND (`+nextWaitingSQL+`) IS NOT NULL
 	FOR UPDATE
 ), m AS (
 	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata"
@@ -98,6 +96,8 @@ SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM 
 	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
 	FROM m
 ) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims, with, cond)
+
+	s.claimLockedSQL = claimLockedSQL(t, with, cond)
 
 	// Settlements are fenced by the token and take many claims at once.
 	settle := func(stmt string) string {
@@ -151,6 +151,16 @@ WHERE m."offset" IN (
 ) x`, t.Groups, t.Messages)
 	return s
 }
+
+// nextWaitingSQL finds the first message after the position of group row gr (of the claim
+// statements) that may be delivered, if any. ORDER BY and LIMIT 1 keep it a plain index scan of
+// (xid, offset) that stops at the first row: written as EXISTS, the planner prefers a bitmap
+// scan, which reads the index entries of the group's whole backlog on every claim, a cost that
+// grows with the backlog.
+const nextWaitingSQL = `SELECT nx."offset" FROM %[2]s nx
+		WHERE (nx."xid", nx."offset") > (gr."last_xid", gr."last_offset")
+		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot())
+		ORDER BY nx."xid", nx."offset" LIMIT 1`
 
 // Claimed is one message claimed for a group.
 type Claimed struct {

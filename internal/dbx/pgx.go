@@ -45,6 +45,9 @@ func (t pgxTx) Rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }
 // PgxTx wraps a caller's pgx transaction.
 func PgxTx(tx pgx.Tx) Querier { return pgxQ{tx} }
 
+// PgxConn wraps a single pgx connection.
+func PgxConn(c *pgx.Conn) Querier { return pgxQ{c} }
+
 // PgxPool wraps a pgx pool.
 type PgxPool struct {
 	pgxQ

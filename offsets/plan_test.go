@@ -1,0 +1,168 @@
+package offsets_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+// planNode is the part of a JSON plan node the test reads.
+type planNode struct {
+	NodeType    string     `json:"Node Type"`
+	Relation    string     `json:"Relation Name"`
+	Index       string     `json:"Index Name"`
+	ActualRows  float64    `json:"Actual Rows"`
+	ActualLoops float64    `json:"Actual Loops"`
+	Plans       []planNode `json:"Plans"`
+}
+
+// widest returns the node of the plan that produced the most rows (rows x loops).
+func widest(n planNode) (planNode, float64) {
+	best, most := n, n.ActualRows*n.ActualLoops
+	for _, c := range n.Plans {
+		if b, m := widest(c); m > most {
+			best, most = b, m
+		}
+	}
+	return best, most
+}
+
+// explainedConn is a session with auto_explain reporting every plan it runs, in JSON, as a
+// notice: the plans of the prepared statements as the library really runs them.
+func explainedConn(t *testing.T, ctx context.Context) (*pgx.Conn, func() []string) {
+	t.Helper()
+	cc, err := pgx.ParseConfig(testdb.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var plans []string
+	cc.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+		if i := strings.IndexByte(n.Message, '{'); i >= 0 {
+			mu.Lock()
+			plans = append(plans, n.Message[i:])
+			mu.Unlock()
+		}
+	}
+	conn, err := pgx.ConnectConfig(ctx, cc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	for _, s := range []string{
+		"LOAD 'auto_explain'",
+		"SET auto_explain.log_min_duration = 0",
+		"SET auto_explain.log_analyze = on",
+		"SET auto_explain.log_format = json",
+		"SET auto_explain.log_level = notice",
+	} {
+		if _, err := conn.Exec(ctx, s); err != nil {
+			t.Skipf("%s: %v (auto_explain needs the contrib modules and a superuser)", s, err)
+		}
+	}
+	return conn, func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		out := plans
+		plans = nil
+		return out
+	}
+}
+
+// TestClaimPlanStaysFlat checks that a claim reads rows in proportion to what it claims and
+// to the claims its group holds, not to the backlog: with 30,000 messages waiting, no node of
+// either claim statement's plan may produce more than a few times the batch plus the claims
+// held. A plan that scans the backlog (a bitmap scan of the
+// whole (xid, offset) range after the position, a scan from the start of the index) fails it,
+// and would make every claim slower as the table grows.
+func TestClaimPlanStaysFlat(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	topic := testdb.Topic(t, "")
+	tables := offsets.NewTables("", "sqlbroker_", topic)
+	db := dbx.NewPgxPool(testdb.Pgx(t))
+	if err := tables.Create(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	store := offsets.NewStore(tables, true)
+	const backlog, batch = 30_000, 10
+	rows := make([]offsets.Row, backlog)
+	for i := range rows {
+		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: make([]byte, 64), Metadata: "{}"}
+	}
+	if err := store.Insert(ctx, db, rows, ""); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := testdb.Pgx(t).Exec(ctx, "ANALYZE "+tables.Messages); err != nil {
+		t.Fatal(err)
+	}
+
+	conn, plans := explainedConn(t, ctx)
+	q := dbx.PgxConn(conn)
+	group := func(name string) int32 {
+		gid, err := store.EnsureGroup(ctx, q, name, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return gid
+	}
+	leaseGroup, advisoryGroup := group("lease"), group("advisory")
+	claims := map[string]func(int64) (int, error){
+		"lease": func(tok int64) (int, error) {
+			c, err := store.Claim(ctx, q, leaseGroup, tok, time.Minute, batch, nil)
+			return len(c), err
+		},
+		"advisory": func(tok int64) (int, error) {
+			c, err := store.ClaimLocked(ctx, q, advisoryGroup, tok, batch, 0x4C000001, nil, nil)
+			return len(c), err
+		},
+	}
+	for name, claim := range claims {
+		// Several rounds, so that the server has moved to its generic plan of the prepared
+		// statement (after five executions) and that plan is checked too.
+		for round := range 8 {
+			plans()
+			n, err := claim(int64(round + 1))
+			if err != nil {
+				t.Fatalf("%s claim, round %d: %v", name, round, err)
+			}
+			if n != batch {
+				t.Fatalf("%s claim, round %d: claimed %d, want %d", name, round, n, batch)
+			}
+			seen := plans()
+			if len(seen) == 0 {
+				t.Fatalf("%s claim, round %d: auto_explain reported no plan", name, round)
+			}
+			for _, p := range seen {
+				var doc struct {
+					Plan planNode `json:"Plan"`
+				}
+				if err := json.Unmarshal([]byte(p), &doc); err != nil {
+					t.Fatalf("%s claim: plan is not JSON: %v\n%s", name, err, p)
+				}
+				// The group's own claims are read too (the due step), as many as it holds.
+				held := round * batch
+				if node, most := widest(doc.Plan); most > float64(5*batch+held) {
+					t.Errorf("%s claim, round %d: %s on %s%s produced %.0f rows for a batch of %d with %d claims held and %d waiting:\n%s",
+						name, round, node.NodeType, node.Relation, node.Index, most, batch, held, backlog, p)
+				}
+			}
+		}
+		if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock_all()"); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
