@@ -27,24 +27,26 @@ func benchMessages(n int) []*message.Message {
 // ns/op is per message.
 func BenchmarkPublish(b *testing.B) {
 	for _, batch := range []int{1, 100} {
-		b.Run(fmt.Sprintf("batch=%d", batch), func(b *testing.B) {
-			topic := testdb.Topic(b, "")
-			pub, err := sqlbroker.NewPublisher(sqlbroker.Pgx(testdb.Pgx(b)), sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer pub.Close()
-			msgs := benchMessages(batch)
-			b.ResetTimer()
-			for i := 0; i < b.N; i += batch {
-				for _, m := range msgs {
-					m.UUID = watermill.NewUUID()
-				}
-				if err := pub.Publish(topic, msgs...); err != nil {
+		for _, notify := range []bool{true, false} {
+			b.Run(fmt.Sprintf("batch=%d/notify=%v", batch, notify), func(b *testing.B) {
+				topic := testdb.Topic(b, "")
+				pub, err := sqlbroker.NewPublisher(sqlbroker.Pgx(testdb.Pgx(b)), sqlbroker.PublisherConfig{InitializeSchema: true, DisableNotify: !notify}, nil)
+				if err != nil {
 					b.Fatal(err)
 				}
-			}
-		})
+				defer pub.Close()
+				msgs := benchMessages(batch)
+				b.ResetTimer()
+				for i := 0; i < b.N; i += batch {
+					for _, m := range msgs {
+						m.UUID = watermill.NewUUID()
+					}
+					if err := pub.Publish(topic, msgs...); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
 	}
 }
 
