@@ -282,6 +282,7 @@ type delivery struct {
 	deadline time.Time // local lease deadline
 	lost     bool
 	settling bool
+	slotFree bool // its in-flight slot was given back (freeSlot)
 }
 
 func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, groupID int32) *subscription {
@@ -564,8 +565,8 @@ func (sub *subscription) giveBack(ds []*delivery) {
 		d.cancel(ErrClosed)
 	}
 	sub.mu.Unlock()
-	for range ds {
-		<-sub.slots
+	for _, d := range ds {
+		sub.freeSlot(d)
 	}
 	sub.release(fs)
 }
@@ -622,6 +623,14 @@ func (sub *subscription) await(d *delivery) {
 	d.settling = true
 	d.mu.Unlock()
 	sub.settleCh <- settlement{d: d, op: op}
+	if op == "ack" {
+		// The handler is done: its slot goes back now, not when the settle statement has run,
+		// so the next claim does not wait for that round trip. A nack keeps its slot until it
+		// is applied, so that the message it makes due again is claimed before newer ones
+		// (with MaxInFlight 1, order holds across nacks). Acks waiting for their statement are
+		// bounded by settleCh's capacity (MaxInFlight) plus one statement's batch.
+		sub.freeSlot(d)
+	}
 }
 
 // settlement is an ack or nack waiting to be applied.
@@ -748,7 +757,18 @@ func (sub *subscription) forget(d *delivery) {
 	}
 	sub.mu.Unlock()
 	d.cancel(context.Canceled)
-	<-sub.slots
+	sub.freeSlot(d)
+}
+
+// freeSlot gives d's in-flight slot back, once.
+func (sub *subscription) freeSlot(d *delivery) {
+	d.mu.Lock()
+	done := d.slotFree
+	d.slotFree = true
+	d.mu.Unlock()
+	if !done {
+		<-sub.slots
+	}
 }
 
 // pruneLoop deletes settled messages older than Retention while the subscription claims.

@@ -44,6 +44,7 @@ type config struct {
 	traceSQL    bool
 
 	drainN          int           // 1
+	drainInFlight   int           // 1
 	slowBacklog     int           // 2, 3
 	slowDuration    time.Duration // 2, 3
 	slowHandler     time.Duration // 2, 3
@@ -85,6 +86,7 @@ func parseFlags() (*config, error) {
 	flag.BoolVar(&c.verbose, "v", false, "log progress to stderr")
 	flag.BoolVar(&c.traceSQL, "trace-sql", false, "time every statement on the client side (pgx tracer) and print a table per contender and scenario; slows the run a little")
 	drainN := flag.Int("n", 100_000, "scenario 1: backlog to drain")
+	flag.IntVar(&c.drainInFlight, "drain-inflight", 0, "scenario 1: MaxInFlight of the library's subscriber (0: the library's default)")
 	slowBacklog := flag.Int("slow-backlog", 100_000, "scenarios 2, 3: backlog published before the timed window")
 	slowDuration := flag.Duration("slow-duration", 10*time.Second, "scenarios 2, 3: timed window")
 	flag.DurationVar(&c.slowHandler, "slow-handler", 5*time.Millisecond, "scenarios 2, 3: handler sleep")

@@ -172,7 +172,7 @@ func scenarioDrain(ctx context.Context, b *bench, c contender) error {
 		sqlTracer.reset(c.appName())
 	}
 	var stopProfile func() error
-	res, err := b.runRouter(ctx, e, topic, routerRun{instances: 1, stopAt: b.cfg.drainN, drain: true,
+	res, err := b.runRouter(ctx, e, topic, routerRun{instances: 1, stopAt: b.cfg.drainN, drain: true, maxInFlight: b.cfg.drainInFlight,
 		onStart: func() {
 			if b.cfg.cpuProfile != "" {
 				stopProfile = startProfile(profilePath(b.cfg.cpuProfile, c), b)
