@@ -130,10 +130,12 @@ type SubscriberConfig struct {
 	// already committed, instead of at the oldest message kept. Defaults to false.
 	StartAtNewest bool
 
-	// MaxInFlight bounds the messages one subscription holds claimed at once: handed to
-	// handlers and not yet settled, or claimed and waiting to be handed. With 1, and one
-	// subscriber in the group, messages arrive in the commit order of their publishers.
-	// Defaults to DefaultMaxInFlight.
+	// MaxInFlight bounds the messages of one subscription that are in handlers at once. In
+	// lease mode a subscription also holds up to BatchSize more claimed ahead, handed out as
+	// handler slots free (and given back at once when it stops), and acks waiting for their
+	// batched statement; in advisory mode it bounds every claim held, and so the advisory
+	// locks (A6). With 1, and one subscriber in the group, messages arrive in the commit order
+	// of their publishers, and nothing is claimed ahead. Defaults to DefaultMaxInFlight.
 	MaxInFlight int
 
 	// BatchSize bounds the messages claimed in one round trip. Defaults to DefaultBatchSize,

@@ -248,7 +248,10 @@ type subscription struct {
 	msgCtx context.Context // parent of message contexts: Subscribe's values, not its cancel
 
 	out      chan *message.Message
-	slots    chan struct{} // one token a message in flight
+	slots    chan struct{}  // one token a message in a handler (MaxInFlight)
+	held     chan struct{}  // one token a claim held: in a handler, queued in ready, or settling
+	ready    chan *delivery // claimed, waiting for a slot to be handed out (FIFO)
+	prefetch int            // claims held beyond MaxInFlight, ready for the next free slot
 	woken    <-chan struct{}
 	unreg    func()
 	unlisten func() bool // releases the process's LISTEN connection; true if that closed it
@@ -282,7 +285,8 @@ type delivery struct {
 	deadline time.Time // local lease deadline
 	lost     bool
 	settling bool
-	slotFree bool // its in-flight slot was given back (freeSlot)
+	slot     bool // holds a handler slot (taken by handOutLoop, given back by freeSlot)
+	unheld   bool // its held token was given back (freeHeld)
 }
 
 func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, groupID int32) *subscription {
@@ -302,23 +306,27 @@ func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, g
 		msgCtx:    context.WithoutCancel(ctx),
 		out:       make(chan *message.Message),
 		slots:     make(chan struct{}, s.config.MaxInFlight),
+		prefetch:  prefetchFor(&s.config),
 		inWork:    map[int64]*delivery{},
 		claimDone: make(chan struct{}),
 		settleCh:  make(chan settlement, s.config.MaxInFlight),
 		stopExt:   make(chan struct{}),
 	}
+	sub.held = make(chan struct{}, s.config.MaxInFlight+sub.prefetch)
+	sub.ready = make(chan *delivery, s.config.MaxInFlight+sub.prefetch)
 	sub.woken, sub.unreg = wake.Register(store.T.Messages)
 	sub.unlisten = listen.Acquire(s.db, s.logger)
 	return sub
 }
 
 func (sub *subscription) start() {
-	sub.wg.Add(3)
+	sub.wg.Add(4)
 	if sub.cfg.Retention > 0 {
 		sub.wg.Add(1)
 		go sub.pruneLoop()
 	}
 	go sub.claimLoop()
+	go sub.handOutLoop()
 	if sub.adv != nil {
 		go sub.adv.run()
 	} else {
@@ -373,11 +381,22 @@ func (sub *subscription) wait(d time.Duration, wakeable bool) (goOn, woken bool)
 // intervals up to PollInterval.
 const firstRetryAfterWake = 5 * time.Millisecond
 
-// claimLoop claims messages while there is room in flight, and hands them out one by one.
+// prefetchFor is how many claims a subscription holds beyond MaxInFlight, so that a handler
+// slot that frees is filled from memory while the next claim runs, and claims can be large.
+// None in the advisory mode, where every claim holds a lock and MaxInFlight bounds the locks
+// (A6), and none with MaxInFlight 1, where order must hold across nacks (M3): a message
+// claimed ahead would overtake one nacked before it.
+func prefetchFor(c *SubscriberConfig) int {
+	if c.ClaimMode != ClaimLease || c.MaxInFlight == 1 {
+		return 0
+	}
+	return min(c.MaxInFlight, c.BatchSize)
+}
+
+// claimLoop claims messages while claims may be held, and queues them for handOutLoop.
 func (sub *subscription) claimLoop() {
 	defer sub.wg.Done()
-	defer close(sub.claimDone)
-	defer close(sub.out)
+	defer close(sub.ready)
 	defer func() {
 		if sub.unlisten() {
 			sub.connsClosed.Add(1)
@@ -387,26 +406,17 @@ func (sub *subscription) claimLoop() {
 	buf := make([]offsets.Claimed, 0, sub.cfg.BatchSize)
 	idle := sub.cfg.PollInterval // the next pause when a claim finds nothing
 	for {
-		// Room for at least one message, then as many as are free, up to BatchSize.
+		// Room for at least one claim, then as many as are free, up to BatchSize.
 		select {
-		case sub.slots <- struct{}{}:
+		case sub.held <- struct{}{}:
 		case <-sub.ctx.Done():
 			return
 		}
-		n := 1
-	fill:
-		for n < sub.cfg.BatchSize {
-			select {
-			case sub.slots <- struct{}{}:
-				n++
-			default:
-				break fill
-			}
-		}
+		n := sub.gather()
 
 		claimed, token, err := sub.claim(buf[:0], n)
 		for range n - len(claimed) {
-			<-sub.slots
+			<-sub.held
 		}
 		if err != nil {
 			if sub.ctx.Err() != nil {
@@ -433,10 +443,39 @@ func (sub *subscription) claimLoop() {
 		}
 		idle = sub.cfg.PollInterval
 		sub.s.stats.claimed.Add(int64(len(claimed)))
-		if !sub.handOut(claimed, token) {
-			return
+		sub.register(claimed, token)
+	}
+}
+
+// gather takes the free held tokens, up to BatchSize, for the next claim; the caller holds
+// one already. With claims held ahead (prefetch), it waits until at least half of them are
+// free: under load tokens free one at a time, and claiming each at once would make a claim
+// statement a message, every one of them locking the group's row (the consumers of a group
+// take turns on it) and paying a round trip, while the handlers are fed from the claims held
+// ahead meanwhile. Tokens are then certain to free: fewer than half free means more than
+// MaxInFlight held, so some are in handlers or settling. An idle subscription has every token
+// free and claims at once.
+func (sub *subscription) gather() int {
+	n := 1
+	want := max(1, sub.prefetch/2)
+	for n < sub.cfg.BatchSize {
+		if n < want {
+			select {
+			case sub.held <- struct{}{}:
+				n++
+			case <-sub.ctx.Done():
+				return n
+			}
+			continue
+		}
+		select {
+		case sub.held <- struct{}{}:
+			n++
+		default:
+			return n
 		}
 	}
+	return n
 }
 
 // claimTimeout bounds one claim statement, as a safety net: it runs under no caller's
@@ -508,9 +547,9 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed,
 	return claimed, token, err
 }
 
-// handOut registers the claimed messages as in work and sends them on out, one by one. When the
-// subscription stops first, the claims not yet handed are given back at once (M5).
-func (sub *subscription) handOut(claimed []offsets.Claimed, token int64) bool {
+// register puts claimed messages in the work set and queues them for handOutLoop; the queue
+// holds every token of held, so this never blocks.
+func (sub *subscription) register(claimed []offsets.Claimed, token int64) {
 	deadline := time.Now().Add(sub.cfg.LeaseTTL)
 	ds := make([]*delivery, len(claimed))
 	sub.mu.Lock()
@@ -523,18 +562,54 @@ func (sub *subscription) handOut(claimed []offsets.Claimed, token int64) bool {
 	if sub.adv != nil {
 		sub.adv.registered(ds)
 	}
+	for _, d := range ds {
+		sub.ready <- d
+	}
+}
 
-	for i, d := range ds {
+// handOutLoop sends queued messages on out, one by one, each once a handler slot is free.
+// When the subscription stops, the claims not yet handed out are given back at once and out
+// is closed (M5).
+func (sub *subscription) handOutLoop() {
+	defer sub.wg.Done()
+	defer close(sub.claimDone)
+	defer close(sub.out)
+	for d := range sub.ready {
+		if sub.ctx.Err() != nil {
+			sub.giveBackQueued(d)
+			return
+		}
+		select {
+		case sub.slots <- struct{}{}:
+		case <-sub.ctx.Done():
+			sub.giveBackQueued(d)
+			return
+		}
+		d.mu.Lock()
+		d.slot = true
+		d.mu.Unlock()
+		if sub.ctx.Err() != nil {
+			sub.giveBackQueued(d)
+			return
+		}
 		select {
 		case sub.out <- d.msg:
 			sub.awaits.Add(1)
 			go sub.await(d)
 		case <-sub.ctx.Done():
-			sub.giveBack(ds[i:])
-			return false
+			sub.giveBackQueued(d)
+			return
 		}
 	}
-	return true
+}
+
+// giveBackQueued gives back d and every claim still queued, once the claim loop has ended.
+func (sub *subscription) giveBackQueued(d *delivery) {
+	ds := []*delivery{d}
+	for d := range sub.ready {
+		ds = append(ds, d)
+	}
+	sub.giveBack(ds)
 }
 
 func (sub *subscription) newDelivery(c offsets.Claimed, token int64, deadline time.Time) *delivery {
@@ -567,6 +642,7 @@ func (sub *subscription) giveBack(ds []*delivery) {
 	sub.mu.Unlock()
 	for _, d := range ds {
 		sub.freeSlot(d)
+		sub.freeHeld(d)
 	}
 	sub.release(fs)
 }
@@ -623,13 +699,14 @@ func (sub *subscription) await(d *delivery) {
 	d.settling = true
 	d.mu.Unlock()
 	sub.settleCh <- settlement{d: d, op: op}
+	// The handler is done: its slot goes back now. An ack's held token goes back too, not when
+	// the settle statement has run, so the next claim does not wait for that round trip. A
+	// nack keeps its token until it is applied, so that the message it makes due again is
+	// claimed before newer ones (with MaxInFlight 1, order holds across nacks). Acks waiting
+	// for their statement are bounded by settleCh's capacity plus one statement's batch.
+	sub.freeSlot(d)
 	if op == "ack" {
-		// The handler is done: its slot goes back now, not when the settle statement has run,
-		// so the next claim does not wait for that round trip. A nack keeps its slot until it
-		// is applied, so that the message it makes due again is claimed before newer ones
-		// (with MaxInFlight 1, order holds across nacks). Acks waiting for their statement are
-		// bounded by settleCh's capacity (MaxInFlight) plus one statement's batch.
-		sub.freeSlot(d)
+		sub.freeHeld(d)
 	}
 }
 
@@ -758,16 +835,28 @@ func (sub *subscription) forget(d *delivery) {
 	sub.mu.Unlock()
 	d.cancel(context.Canceled)
 	sub.freeSlot(d)
+	sub.freeHeld(d)
 }
 
-// freeSlot gives d's in-flight slot back, once.
+// freeSlot gives back d's handler slot, if it holds one.
 func (sub *subscription) freeSlot(d *delivery) {
 	d.mu.Lock()
-	done := d.slotFree
-	d.slotFree = true
+	had := d.slot
+	d.slot = false
+	d.mu.Unlock()
+	if had {
+		<-sub.slots
+	}
+}
+
+// freeHeld gives back d's held token, once.
+func (sub *subscription) freeHeld(d *delivery) {
+	d.mu.Lock()
+	done := d.unheld
+	d.unheld = true
 	d.mu.Unlock()
 	if !done {
-		<-sub.slots
+		<-sub.held
 	}
 }
 

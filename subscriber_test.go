@@ -392,3 +392,46 @@ func TestSubscriber_retentionDeletesSettledMessages(t *testing.T) {
 	}
 	testdb.Eventually(t, 10*time.Second, "the remaining messages to be pruned", func() bool { return countMessages(t, topic) == 0 })
 }
+
+// MaxInFlight bounds the messages in handlers (M3); in lease mode up to BatchSize more are
+// claimed ahead, handed out as handler slots free, and given back at once on Close (M5).
+func TestSubscriber_M3_handlersBoundedClaimsAheadGivenBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{MaxInFlight: 4})
+	payloads := make([]string, 20)
+	for i := range payloads {
+		payloads[i] = strconv.Itoa(i)
+	}
+	publish(t, pub, topic, payloads...)
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	var inHandlers []*message.Message
+	for range 4 {
+		inHandlers = append(inHandlers, receive(t, msgs, 10*time.Second))
+	}
+	claims := func() int { return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims) }
+	testdb.Eventually(t, 10*time.Second, "four claims held ahead", func() bool { return claims() == 8 })
+	noMessage(t, msgs, 300*time.Millisecond) // four in handlers: no fifth
+	assert.Equal(t, 8, claims(), "more than MaxInFlight + BatchSize claimed")
+
+	// An ack frees a slot: the next message comes from the claims held ahead.
+	inHandlers[0].Ack()
+	inHandlers = append(inHandlers[1:], receive(t, msgs, 10*time.Second))
+	testdb.Eventually(t, 10*time.Second, "the ack applied", func() bool { return sub.Stats().Acked == 1 })
+	held := claims()
+	assert.LessOrEqual(t, held, 8)
+
+	rep, err := sub.Shutdown(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, 4, rep.DeliveriesInWork)
+	assert.Equal(t, held-4, rep.ClaimsReleased, "claims held ahead not given back")
+	assert.Equal(t, held-4, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token = 0 AND visible_at <= now()"))
+	for _, m := range inHandlers {
+		m.Ack() // within their leases (S4)
+	}
+	testdb.Eventually(t, 10*time.Second, "the late acks", func() bool { return sub.Stats().Acked == 5 })
+}
