@@ -1,9 +1,11 @@
 package sqlbroker
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 // ClaimMode says how a subscriber holds a message while a handler works on it.
@@ -46,6 +48,8 @@ const (
 	DefaultLockCheckInterval  = time.Second
 	DefaultMaxPayloadBytes    = 64 << 20
 	DefaultNotifyDebounce     = 5 * time.Millisecond
+	DefaultMaxGroupRows       = 1000
+	DefaultGroupTimeout       = 30 * time.Second
 	maxTablePrefixLength      = 24
 	maxSchemaNameLength       = ident.MaxIdentifierLength
 	minLeaseTTL               = 100 * time.Millisecond
@@ -75,6 +79,28 @@ type PublisherConfig struct {
 	// DisableNotify turns NOTIFY off: subscribers in other processes find new messages at
 	// their next poll. Defaults to false.
 	DisableNotify bool
+
+	// DisableGroupInsert turns off the grouping of concurrent publishes. With grouping (on a
+	// pool; a publisher inside the caller's transaction never groups), a Publish to a topic
+	// that arrives while a statement of this publisher for the topic runs waits for it to
+	// end, and then goes, with every other call that queued meanwhile, into the next
+	// statement: one multi-row INSERT, or COPY for large ones. A call's messages always go
+	// into one statement together (P1), and a database error fails every call of that
+	// statement. An idle publisher adds no wait: a call that finds no statement running
+	// starts one at once. Without grouping, every call runs its own statement, under its
+	// messages' contexts, and concurrent calls use as many connections. Defaults to false.
+	DisableGroupInsert bool
+
+	// MaxGroupRows bounds the rows of one grouped statement. A call with more messages is
+	// never grouped: it runs alone, in one statement or one transaction. At most
+	// offsets.MaxRowsPerStatement(). Defaults to DefaultMaxGroupRows.
+	MaxGroupRows int
+
+	// GroupTimeout bounds a grouped statement. It runs under a context of its own, not
+	// cancelled by the contexts of the calls in it (one caller giving up must not fail the
+	// others), so this is what stops a statement stuck on a lock. Defaults to
+	// DefaultGroupTimeout.
+	GroupTimeout time.Duration
 }
 
 func (c *PublisherConfig) setDefaults() {
@@ -86,6 +112,12 @@ func (c *PublisherConfig) setDefaults() {
 	}
 	if c.NotifyDebounce == 0 {
 		c.NotifyDebounce = DefaultNotifyDebounce
+	}
+	if c.MaxGroupRows == 0 {
+		c.MaxGroupRows = DefaultMaxGroupRows
+	}
+	if c.GroupTimeout == 0 {
+		c.GroupTimeout = DefaultGroupTimeout
 	}
 }
 
@@ -101,6 +133,12 @@ func (c *PublisherConfig) validate() error {
 	}
 	if c.NotifyDebounce < 0 {
 		return &ConfigError{Field: "NotifyDebounce", Value: c.NotifyDebounce, Reason: "must not be negative"}
+	}
+	if c.MaxGroupRows < 0 || c.MaxGroupRows > offsets.MaxRowsPerStatement() {
+		return &ConfigError{Field: "MaxGroupRows", Value: c.MaxGroupRows, Reason: fmt.Sprintf("must be between 1 and %d (offsets.MaxRowsPerStatement)", offsets.MaxRowsPerStatement())}
+	}
+	if c.GroupTimeout < 0 {
+		return &ConfigError{Field: "GroupTimeout", Value: c.GroupTimeout, Reason: "must not be negative"}
 	}
 	return nil
 }

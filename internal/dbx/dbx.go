@@ -136,3 +136,11 @@ func ScanInt64s(rows Rows, err error) ([]int64, error) {
 	}
 	return out, rows.Err()
 }
+
+// Copier is a Querier that can load rows with COPY FROM STDIN (the pgx adapters: pool,
+// connection and transaction). database/sql adapters are not Copiers.
+type Copier interface {
+	// CopyFrom copies rows into table (its unquoted schema and name parts) and returns the
+	// number of rows copied. Like any single statement, it is all or none.
+	CopyFrom(ctx context.Context, table []string, columns []string, rows [][]any) (int64, error)
+}

@@ -2,6 +2,7 @@ package dbx
 
 import (
 	"context"
+	"errors"
 	"net"
 	"time"
 
@@ -17,6 +18,21 @@ type pgxQuerier interface {
 }
 
 type pgxQ struct{ q pgxQuerier }
+
+// pgxCopier is what pgxpool.Pool, pgxpool.Conn, pgx.Conn and pgx.Tx offer for COPY.
+type pgxCopier interface {
+	CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, rows pgx.CopyFromSource) (int64, error)
+}
+
+var _ Copier = pgxQ{}
+
+func (p pgxQ) CopyFrom(ctx context.Context, table []string, columns []string, rows [][]any) (int64, error) {
+	c, ok := p.q.(pgxCopier)
+	if !ok {
+		return 0, errors.New("dbx: this pgx querier cannot COPY")
+	}
+	return c.CopyFrom(ctx, pgx.Identifier(table), columns, pgx.CopyFromRows(rows))
+}
 
 func (p pgxQ) Exec(ctx context.Context, sql string, args ...any) (int64, error) {
 	tag, err := p.q.Exec(ctx, sql, args...)

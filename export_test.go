@@ -1,0 +1,24 @@
+package sqlbroker
+
+import "github.com/sqlbroker/watermill-sqlbroker/offsets"
+
+// QueuedCalls is the number of grouped Publish calls of p waiting for topic's next statement.
+func QueuedCalls(p *Publisher, topic string) int {
+	table := offsets.NewTables(p.config.Schema, p.config.TablePrefix, topic).Messages
+	p.groupsMu.Lock()
+	g := p.groups[table]
+	p.groupsMu.Unlock()
+	if g == nil {
+		return 0
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return len(g.queue)
+}
+
+// PublisherClosed reports whether Close (or the broker's shutdown) has begun on p.
+func PublisherClosed(p *Publisher) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.closed
+}
