@@ -19,8 +19,8 @@
 // # Consumer groups
 //
 // Every consumer group receives every message of a topic; within a group each message is
-// worked by one consumer at a time. SubscriberConfig.MaxInFlight bounds how many one
-// subscription holds at once.
+// worked by one consumer at a time. SubscriberConfig.MaxInFlight bounds how many of them one
+// subscription has in handlers at once; in lease mode it claims up to BatchSize more ahead.
 //
 // # Shutdown
 //
