@@ -176,8 +176,9 @@ type SubscriberConfig struct {
 	// of their publishers, and nothing is claimed ahead. Defaults to DefaultMaxInFlight.
 	MaxInFlight int
 
-	// BatchSize bounds the messages claimed in one round trip. Defaults to DefaultBatchSize,
-	// and never more than MaxInFlight.
+	// BatchSize bounds the messages claimed in one round trip; in lease mode (with
+	// MaxInFlight above 1) it is also how many a subscription holds claimed ahead of its
+	// handlers. Defaults to DefaultBatchSize, and never more than MaxInFlight.
 	BatchSize int
 
 	// PollInterval is how long a subscription waits before it looks for messages again after
