@@ -143,6 +143,13 @@ func TestShutdown_S6_S7_builtPoolClosesLastCallersPoolStaysOpen(t *testing.T) {
 			msgs, err := sub.Subscribe(ctx, topic)
 			require.NoError(t, err)
 			m := receive(t, msgs, 10*time.Second)
+			if scheme == "postgres" {
+				// pgx pools also get the process's LISTEN connection, opened beside the first
+				// claim: count the backends once it is in place.
+				testdb.Eventually(t, 10*time.Second, "the LISTEN connection", func() bool {
+					return queryInt(t, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN %'", app) == 1
+				})
+			}
 
 			before := backends(t, app)
 			require.Positive(t, before)

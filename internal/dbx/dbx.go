@@ -77,7 +77,7 @@ type Pool interface {
 type Listenable interface {
 	// ListenKey identifies the underlying pool, so that wrappers of one pool share a listener.
 	ListenKey() any
-	Listen(ctx context.Context, channel string, onConnect func(), onNotify func(payload string)) error
+	Listen(ctx context.Context, channel string, onOpen, onConnect func(), onNotify func(payload string)) error
 }
 
 // ErrNoRows is returned by QueryRow-style helpers when the statement returned no row.

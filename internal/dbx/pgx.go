@@ -186,14 +186,16 @@ func (p *PgxPool) OpenConns() int { return int(p.Pool.Stat().TotalConns()) }
 func (p *PgxPool) ListenKey() any { return p.Pool }
 
 // Listen runs LISTEN channel on a connection of its own and calls onNotify with the payload
-// of every notification until ctx ends or the connection fails. onConnect runs once the
-// LISTEN is in place.
-func (p *PgxPool) Listen(ctx context.Context, channel string, onConnect func(), onNotify func(string)) error {
+// of every notification until ctx ends or the connection fails. onOpen runs once the
+// connection is open (its backend exists from then on, until Listen returns); onConnect once
+// the LISTEN is in place.
+func (p *PgxPool) Listen(ctx context.Context, channel string, onOpen, onConnect func(), onNotify func(string)) error {
 	cfg := p.Pool.Config().ConnConfig.Copy()
 	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return err
 	}
+	onOpen()
 	defer func() {
 		cctx, cancel := CleanupContext(context.Background())
 		defer cancel()

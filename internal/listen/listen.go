@@ -23,7 +23,7 @@ type listener struct {
 	refs      int
 	cancel    context.CancelFunc
 	done      chan struct{}
-	connected atomic.Bool // a listening connection is open
+	connected atomic.Bool // a connection of the listener is open (counted as closed on release)
 }
 
 var (
@@ -76,8 +76,10 @@ func (l *listener) run(ctx context.Context, pool dbx.Listenable, logger watermil
 	backoff := 100 * time.Millisecond
 	for ctx.Err() == nil {
 		err := pool.Listen(ctx, Channel, func() {
-			// (Re)connected: notifications sent meanwhile were missed; wake everyone.
+			// Open from now on, before its LISTEN is in place: a release in between closes it.
 			l.connected.Store(true)
+		}, func() {
+			// (Re)connected: notifications sent meanwhile were missed; wake everyone.
 			wake.NotifyAll()
 			backoff = 100 * time.Millisecond
 		}, wake.Notify)
