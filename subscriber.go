@@ -259,11 +259,6 @@ type subscription struct {
 	mu     sync.Mutex
 	inWork map[int64]*delivery // claimed and not yet settled or given up
 
-	// Looking for due claims (offsets.Store.Claim).
-	dueAt    atomic.Int64 // unix ns when a claim this subscription nacked or gave back is due; 0: none
-	lastDue  time.Time    // claim loop only: when a claim last looked for due claims
-	dueAgain bool         // claim loop only: that claim came back full; look again
-
 	releasedAtStop   atomic.Int64 // claims given back when the subscription stopped
 	queriesCancelled atomic.Int64 // claim statements cancelled on the server and awaited (S3)
 	connsClosed      atomic.Int64 // connections a cancel closed (lib/pq closes them)
@@ -386,45 +381,6 @@ func (sub *subscription) wait(d time.Duration, wakeable bool) (goOn, woken bool)
 // intervals up to PollInterval.
 const firstRetryAfterWake = 5 * time.Millisecond
 
-// lookForDue says whether the next claim looks for claims due again (offsets.Store.Claim):
-// the first claim, one after a claim that looked and came back full, one once a claim this
-// subscription nacked or gave back is due, and otherwise one every PollInterval, for what other
-// consumers of the group left (a lease that ran out, a nack). Under load that bounds the cost
-// of the look, a read of every claim row of the group not yet vacuumed, to once a
-// PollInterval; the price is that a message another consumer nacked waits up to a
-// PollInterval more.
-func (sub *subscription) lookForDue() bool {
-	now := time.Now()
-	if sub.lastDue.IsZero() || sub.dueAgain || now.Sub(sub.lastDue) >= sub.cfg.PollInterval {
-		return true
-	}
-	at := sub.dueAt.Load()
-	return at != 0 && at <= now.UnixNano()
-}
-
-// lookedForDue records a claim that looked for due claims, started at started.
-func (sub *subscription) lookedForDue(started time.Time, full bool) {
-	sub.lastDue = started
-	sub.dueAgain = full
-	if at := sub.dueAt.Load(); at != 0 && at <= started.UnixNano() {
-		sub.dueAt.CompareAndSwap(at, 0)
-	}
-}
-
-// markDue notes that a claim this subscription nacked or gave back is due after d.
-func (sub *subscription) markDue(d time.Duration) {
-	at := time.Now().Add(d).UnixNano()
-	for {
-		cur := sub.dueAt.Load()
-		if cur != 0 && cur <= at {
-			return
-		}
-		if sub.dueAt.CompareAndSwap(cur, at) {
-			return
-		}
-	}
-}
-
 // prefetchFor is how many claims a subscription holds beyond MaxInFlight, so that a handler
 // slot that frees is filled from memory while the next claim runs, and claims can be large.
 // None in the advisory mode, where every claim holds a lock and MaxInFlight bounds the locks
@@ -458,13 +414,9 @@ func (sub *subscription) claimLoop() {
 		}
 		n := sub.gather()
 
-		due, started := sub.lookForDue(), time.Now()
-		claimed, token, err := sub.claim(buf[:0], n, due)
+		claimed, token, err := sub.claim(buf[:0], n)
 		for range n - len(claimed) {
 			<-sub.held
-		}
-		if err == nil && due {
-			sub.lookedForDue(started, len(claimed) == n)
 		}
 		if err != nil {
 			if sub.ctx.Err() != nil {
@@ -538,9 +490,9 @@ const claimTimeout = time.Minute
 // word. When the subscription stops during a claim, the server is asked to cancel that very
 // statement (a cancel request for its backend), and the claim returns only once the server
 // has ended it and rolled it back (S3).
-func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
+func (sub *subscription) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed, int64, error) {
 	if sub.adv != nil {
-		return sub.adv.claim(buf, n, due)
+		return sub.adv.claim(buf, n)
 	}
 	token := rand.Int64N(1<<62) + 1
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(sub.ctx), claimTimeout)
@@ -566,7 +518,7 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offset
 		cancelSent.Store(true)
 		connClosed.Store(closes)
 	})
-	claimed, err := sub.store.Claim(qctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, due, buf)
+	claimed, err := sub.store.Claim(qctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, buf)
 	if !stop() {
 		<-cancelled // hold the connection until the cancel has been sent
 	}
@@ -710,7 +662,6 @@ func (sub *subscription) release(fs []offsets.Fenced) {
 	}
 	sub.s.stats.released.Add(int64(len(done)))
 	sub.releasedAtStop.Add(int64(len(done)))
-	sub.markDue(0)
 	sub.logger.Debug("Released undelivered claims", watermill.LogFields{"count": len(done)})
 }
 
@@ -817,11 +768,7 @@ func (sub *subscription) settleStatement(op string, fs []offsets.Fenced) (map[in
 	if op == "ack" {
 		return sub.store.Ack(ctx, sub.s.db, sub.groupID, fs)
 	}
-	done, err := sub.store.Nack(ctx, sub.s.db, sub.groupID, fs, sub.cfg.NackBackoff)
-	if err == nil && len(done) > 0 {
-		sub.markDue(sub.cfg.NackBackoff) // before the nacked deliveries free their tokens
-	}
-	return done, err
+	return sub.store.Nack(ctx, sub.s.db, sub.groupID, fs, sub.cfg.NackBackoff)
 }
 
 // apply runs the settlements of kind op among sts in one statement and returns those that

@@ -29,14 +29,13 @@ import (
 //     when its lock was taken, otherwise due at once (attempt 0) for a later round; the
 //     position advances past all of them.
 //
-// with and gate are the asynchronous-commit prefix and final gate of NewStore; $6 says whether
-// to look for due claims (see Claim). The group row is
+// with and cond are the asynchronous-commit prefix and condition of NewStore. The group row is
 // locked, as in the lease mode, only when a message is waiting after its position: an idle
 // poll locks and writes nothing.
-func claimLockedSQL(t Tables, with, gate string) string {
+func claimLockedSQL(t Tables, with, cond string) string {
 	return fmt.Sprintf(`%[4]sdue AS (
 	SELECT "offset" FROM %[3]s
-	WHERE $6::boolean AND "group_id" = $1 AND "visible_at" <= now()
+	WHERE "group_id" = $1 AND "visible_at" <= now()%[5]s
 	ORDER BY "offset" LIMIT $4
 	FOR UPDATE SKIP LOCKED
 ), g AS (
@@ -81,8 +80,7 @@ SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM 
 	UNION ALL
 	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
 	FROM m, lk WHERE m."offset" = ANY (lk.os)
-) x%[5]s
-ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims, with, gate)
+) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims, with, cond)
 }
 
 // heldSQL lists claims of group $1 held by a lock (visible_at 'infinity') after offset $2, in
@@ -116,11 +114,11 @@ ORDER BY m."offset"`
 // connection that holds the locks, with key1 the group's lock key and skip the offsets whose
 // locks that connection already holds. It returns the claimed messages: those whose lock it
 // took. If it fails, locks it took before failing stay with the session: close the connection.
-func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit int, due bool, key1 int32, skip []int64, out []Claimed) ([]Claimed, error) {
+func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit int, key1 int32, skip []int64, out []Claimed) ([]Claimed, error) {
 	if skip == nil {
 		skip = []int64{}
 	}
-	rows, err := q.Query(ctx, s.claimLockedSQL, groupID, token, key1, limit, skip, due)
+	rows, err := q.Query(ctx, s.claimLockedSQL, groupID, token, key1, limit, skip)
 	if err != nil {
 		return out, err
 	}

@@ -42,22 +42,16 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	s := &Store{T: t}
 	// The setting is made inside the statement, so that it holds for the statement's own
 	// implicit transaction and costs no round trip; the condition makes the planner run it.
-	// In the claim statements the condition is a gate of the final SELECT, which runs
-	// whatever the steps before it skipped.
-	with, cond, gate := "WITH ", "", ""
+	with, cond := "WITH ", ""
 	if asyncCommit {
 		with = "WITH sc AS (SELECT set_config('synchronous_commit', 'off', true) AS v), "
 		cond = " AND (SELECT v FROM sc) IS NOT NULL"
-		gate = "\nWHERE (SELECT v FROM sc) IS NOT NULL"
 	}
 
 	// One round trip claims up to $4 messages for group $1 under token $2 with a lease of $3 ms:
-	//  - due, when $5: claims of the group that are due again (their lease ran out, or they
-	//    were nacked or released and their backoff passed), taken with a new token, so the old
-	//    holder's token no longer matches (L3); SKIP LOCKED leaves those another claimer is
-	//    taking. This step reads every claim row of the group the index still lists, deleted
-	//    ones too until VACUUM has passed: under load, hundreds of thousands. Callers ask for it
-	//    when something may be due (see Claim), not on every claim;
+	//  - due: claims of the group that are due again (their lease ran out, or they were nacked
+	//    or released and their backoff passed), taken with a new token, so the old holder's
+	//    token no longer matches (L3); SKIP LOCKED leaves those another claimer is taking;
 	//  - if that left room and a message is waiting: lock the group row (serialises the
 	//    group's claimers for a few milliseconds; an empty poll locks nothing, so it writes
 	//    nothing and takes no transaction id), read the next messages after its position that were written by
@@ -68,7 +62,7 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	// Redeliveries come first, then new messages in (xid, offset) order.
 	s.claimSQL = fmt.Sprintf(`%[4]sdue AS (
 	SELECT "offset" FROM %[3]s
-	WHERE $5::boolean AND "group_id" = $1 AND "visible_at" <= now()
+	WHERE "group_id" = $1 AND "visible_at" <= now()%[5]s
 	ORDER BY "offset" LIMIT $4
 	FOR UPDATE SKIP LOCKED
 ), r AS (
@@ -101,10 +95,9 @@ SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM 
 	UNION ALL
 	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
 	FROM m
-) x%[5]s
-ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims, with, gate)
+) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims, with, cond)
 
-	s.claimLockedSQL = claimLockedSQL(t, with, gate)
+	s.claimLockedSQL = claimLockedSQL(t, with, cond)
 
 	// Settlements are fenced by the token and take many claims at once.
 	settle := func(stmt string) string {
@@ -218,15 +211,10 @@ func scanClaimed(rows dbx.Rows, out []Claimed) ([]Claimed, error) {
 	return out, rows.Err()
 }
 
-// Claim claims up to limit messages for the group under token, with a lease of ttl: first,
-// with due, those due again, then new ones after the group's position, which it advances.
-//
-// Looking for due claims costs a read of every claim row of the group not yet vacuumed, so a
-// caller asks for it when something may be due: on its first claim, after it nacked or gave
-// back claims itself, at a steady interval for those of other consumers (a lease that ran
-// out, a nack elsewhere), and again after a claim that asked for it came back full.
-func (s *Store) Claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, due bool, out []Claimed) ([]Claimed, error) {
-	rows, err := q.Query(ctx, s.claimSQL, groupID, token, ms(ttl), limit, due)
+// Claim claims up to limit messages for the group under token, with a lease of ttl: first
+// those due again, then new ones after the group's position, which it advances.
+func (s *Store) Claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, out []Claimed) ([]Claimed, error) {
+	rows, err := q.Query(ctx, s.claimSQL, groupID, token, ms(ttl), limit)
 	if err != nil {
 		return out, err
 	}

@@ -198,7 +198,7 @@ func (r *rawOps) claimAcker(ctx context.Context, topic string) (func() (int, err
 	var token int64
 	return func() (int, error) {
 		token++
-		claimed, err := store.Claim(ctx, r.e.db, gid, token, 30*time.Second, 100, false, buf[:0])
+		claimed, err := store.Claim(ctx, r.e.db, gid, token, 30*time.Second, 100, buf[:0])
 		if err != nil || len(claimed) == 0 {
 			return 0, err
 		}
