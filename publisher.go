@@ -171,9 +171,10 @@ func (p *Publisher) write(ctx context.Context, q dbx.Querier, store *offsets.Sto
 	case canCopy && len(rows) >= offsets.CopyMinRows:
 		err = store.Copy(ctx, copier, rows)
 		if err == nil && channel != "" {
+			nerr := store.Notify(ctx, q, channel)
 			if p.db.tx != nil {
-				err = store.Notify(ctx, q, channel)
-			} else if nerr := store.Notify(ctx, q, channel); nerr != nil {
+				err = nerr // in the caller's transaction: its statement failed, so does the call
+			} else if nerr != nil {
 				p.logger.Debug("NOTIFY failed; subscribers will poll", watermill.LogFields{"err": nerr})
 			}
 		}

@@ -665,6 +665,18 @@ func (sub *subscription) release(fs []offsets.Fenced) {
 	sub.logger.Debug("Released undelivered claims", watermill.LogFields{"count": len(done)})
 }
 
+// outcome waits for the handler's ack ("ack") or nack ("nack") of d, or for stop ("").
+func outcome[T any](d *delivery, stop <-chan T) string {
+	select {
+	case <-d.msg.Acked():
+		return "ack"
+	case <-d.msg.Nacked():
+		return "nack"
+	case <-stop:
+		return ""
+	}
+}
+
 // await waits for the handler's ack or nack and queues it for the settle loop.
 func (sub *subscription) await(d *delivery) {
 	if sub.adv != nil {
@@ -672,25 +684,15 @@ func (sub *subscription) await(d *delivery) {
 		return
 	}
 	defer sub.awaits.Done()
-	var op string
-	select {
-	case <-d.msg.Acked():
-		op = "ack"
-	case <-d.msg.Nacked():
-		op = "nack"
-	case <-sub.s.shutdown:
+	op := outcome(d, sub.s.shutdown)
+	if op == "" {
 		// The delivery keeps its lease (S4): it may still settle until the lease runs out.
 		d.mu.Lock()
 		left := time.Until(d.deadline)
 		d.mu.Unlock()
 		t := time.NewTimer(max(left, 0))
 		defer t.Stop()
-		select {
-		case <-d.msg.Acked():
-			op = "ack"
-		case <-d.msg.Nacked():
-			op = "nack"
-		case <-t.C:
+		if op = outcome(d, t.C); op == "" {
 			sub.forget(d)
 			return
 		}

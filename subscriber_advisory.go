@@ -313,13 +313,8 @@ func (a *advisoryState) unlock(offs []int64, gen uint64) {
 func (a *advisoryState) await(d *delivery) {
 	sub := a.sub
 	defer sub.awaits.Done()
-	var op string
-	select {
-	case <-d.msg.Acked():
-		op = "ack"
-	case <-d.msg.Nacked():
-		op = "nack"
-	case <-a.released:
+	op := outcome(d, a.released)
+	if op == "" {
 		a.awaitLate(d)
 		return
 	}
@@ -345,12 +340,8 @@ func (a *advisoryState) await(d *delivery) {
 func (a *advisoryState) awaitLate(d *delivery) {
 	t := time.NewTimer(a.sub.cfg.CloseTimeout)
 	defer t.Stop()
-	select {
-	case <-d.msg.Acked():
-		a.refuseClosed(d, "ack")
-	case <-d.msg.Nacked():
-		a.refuseClosed(d, "nack")
-	case <-t.C:
+	if op := outcome(d, t.C); op != "" {
+		a.refuseClosed(d, op)
 	}
 	a.sub.forget(d)
 }

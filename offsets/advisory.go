@@ -69,18 +69,7 @@ func claimLockedSQL(t Tables, with, cond string) string {
 		CASE WHEN m."offset" = ANY (lk.os) THEN 'infinity' ELSE now() END,
 		CASE WHEN m."offset" = ANY (lk.os) THEN 1 ELSE 0 END
 	FROM m, lk
-), upd AS (
-	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
-	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
-	WHERE "group_id" = $1
-)
-SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM (
-	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o
-	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
-	UNION ALL
-	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
-	FROM m, lk WHERE m."offset" = ANY (lk.os)
-) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims, with, cond)
+)`+claimTailSQL(`m, lk WHERE m."offset" = ANY (lk.os)`), t.Groups, t.Messages, t.Claims, with, cond)
 }
 
 // heldSQL lists claims of group $1 held by a lock (visible_at 'infinity') after offset $2, in

@@ -84,18 +84,7 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 ), ins AS (
 	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
 	SELECT $1, m."offset", $2, now() + $3::float8 * interval '1 millisecond', 1 FROM m
-), upd AS (
-	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
-	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
-	WHERE "group_id" = $1
-)
-SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM (
-	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o
-	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
-	UNION ALL
-	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
-	FROM m
-) x ORDER BY x.k, x.o`, t.Groups, t.Messages, t.Claims, with, cond)
+)`+claimTailSQL("m"), t.Groups, t.Messages, t.Claims, with, cond)
 
 	s.claimLockedSQL = claimLockedSQL(t, with, cond)
 
@@ -161,6 +150,24 @@ const nextWaitingSQL = `SELECT nx."offset" FROM %[2]s nx
 		WHERE (nx."xid", nx."offset") > (gr."last_xid", gr."last_offset")
 		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot())
 		ORDER BY nx."xid", nx."offset" LIMIT 1`
+
+// claimTailSQL ends both claim statements: it advances the group's position past the new
+// messages of m, and returns the due claims taken again (r) first, then the new messages read
+// from newFrom, in (xid, offset) order. %[1]s and %[2]s are the groups and messages tables.
+func claimTailSQL(newFrom string) string {
+	return `, upd AS (
+	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
+	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
+	WHERE "group_id" = $1
+)
+SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts" FROM (
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o
+	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
+	UNION ALL
+	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
+	FROM ` + newFrom + `
+) x ORDER BY x.k, x.o`
+}
 
 // Claimed is one message claimed for a group.
 type Claimed struct {
