@@ -43,17 +43,8 @@ func publish(t *testing.T, pub message.Publisher, topic string, payloads ...stri
 	return msgs
 }
 
-func receive(t *testing.T, ch <-chan *message.Message, timeout time.Duration) *message.Message {
-	t.Helper()
-	select {
-	case m, ok := <-ch:
-		require.True(t, ok, "channel closed")
-		return m
-	case <-time.After(timeout):
-		t.Fatalf("no message within %s", timeout)
-		return nil
-	}
-}
+// receive reads one message from ch within timeout.
+var receive = testdb.Receive
 
 // noMessage asserts that nothing arrives for d: it checks that something is held back, not
 // how fast anything is.

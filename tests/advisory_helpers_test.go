@@ -96,17 +96,7 @@ func publishN(t testing.TB, db sqlbroker.DB, topic string, n int) []string {
 }
 
 // receive reads one message from ch within timeout.
-func receive(t testing.TB, ch <-chan *message.Message, timeout time.Duration) *message.Message {
-	t.Helper()
-	select {
-	case m, ok := <-ch:
-		require.True(t, ok, "channel closed")
-		return m
-	case <-time.After(timeout):
-		t.Fatalf("no message within %s", timeout)
-		return nil
-	}
-}
+var receive = testdb.Receive
 
 // advisoryStdMaxOpen sizes the lib/pq pool of the advisory suites: up to 50 lock connections
 // of Watermill's TestConcurrentSubscribe, plus room for the claims and settlements of the

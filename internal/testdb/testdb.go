@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/lib/pq" // the database/sql driver under test
@@ -125,6 +126,22 @@ func LeakCheck() error {
 			return err
 		}
 		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// Receive reads one message from ch, failing t when ch is closed or nothing comes within
+// timeout.
+func Receive(t testing.TB, ch <-chan *message.Message, timeout time.Duration) *message.Message {
+	t.Helper()
+	select {
+	case m, ok := <-ch:
+		if !ok {
+			t.Fatal("channel closed")
+		}
+		return m
+	case <-time.After(timeout):
+		t.Fatalf("no message within %s", timeout)
+		return nil
 	}
 }
 
