@@ -76,7 +76,13 @@ func (t Tables) Check(ctx context.Context, q dbx.Querier) error {
 func (t Tables) check(ctx context.Context, q dbx.Querier, missingOK bool) error {
 	var m, g, c bool
 	var comment string
-	err := dbx.QueryRow(ctx, q, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL,
+	// to_regclass resolves a name in the latest catalog, while obj_description reads through
+	// the statement's snapshot: a table created by a transaction that committed in between
+	// would show without its comment. Existence is therefore also read through the snapshot.
+	err := dbx.QueryRow(ctx, q, `SELECT
+	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($1)),
+	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($2)),
+	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($3)),
 	coalesce(obj_description(to_regclass($1), 'pg_class'), '')`,
 		[]any{t.Messages, t.Groups, t.Claims}, &m, &g, &c, &comment)
 	if err != nil {
