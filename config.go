@@ -182,7 +182,9 @@ type SubscriberConfig struct {
 	BatchSize int
 
 	// PollInterval is how long a subscription waits before it looks for messages again after
-	// finding none. Defaults to DefaultPollInterval.
+	// finding none, and, while it finds messages, how often it also looks for claims due again
+	// that it cannot know of (leases of other consumers that ran out, claims they released).
+	// Defaults to DefaultPollInterval.
 	PollInterval time.Duration
 
 	// LeaseTTL is how long a claim stays with this subscriber without being extended (lease

@@ -15,6 +15,7 @@ import (
 )
 
 func pgxDB(t *testing.T) sqlbroker.DB { return sqlbroker.Pgx(testdb.Pgx(t)) }
+func stdDB(t *testing.T) sqlbroker.DB { return sqlbroker.StdSQL(testdb.Std(t)) }
 
 func newPublisher(t *testing.T, db sqlbroker.DB) *sqlbroker.Publisher {
 	t.Helper()

@@ -265,6 +265,8 @@ type subscription struct {
 
 	adv *advisoryState // advisory-lock mode only (subscriber_advisory.go)
 
+	dueAt atomic.Int64 // UnixNano from when a claim of this subscription is due again; 0: none
+
 	settleCh chan settlement
 	awaits   sync.WaitGroup // await goroutines; settleCh closes when they are all done
 
@@ -405,6 +407,7 @@ func (sub *subscription) claimLoop() {
 
 	buf := make([]offsets.Claimed, 0, sub.cfg.BatchSize)
 	idle := sub.cfg.PollInterval // the next pause when a claim finds nothing
+	due := dueState{again: true}
 	for {
 		// Room for at least one claim, then as many as are free, up to BatchSize.
 		select {
@@ -414,7 +417,10 @@ func (sub *subscription) claimLoop() {
 		}
 		n := sub.gather()
 
-		claimed, token, err := sub.claim(buf[:0], n)
+		now := time.Now()
+		withDue := sub.wantDue(&due, now)
+		claimed, token, err := sub.claim(buf[:0], n, withDue)
+		due.claimed(withDue, now.Add(sub.cfg.PollInterval), claimed, n, err)
 		for range n - len(claimed) {
 			<-sub.held
 		}
@@ -444,6 +450,57 @@ func (sub *subscription) claimLoop() {
 		idle = sub.cfg.PollInterval
 		sub.s.stats.claimed.Add(int64(len(claimed)))
 		sub.register(claimed, token)
+	}
+}
+
+// dueState tells the claim loop when its claims run the due step (offsets.Store.Claim), which
+// takes back claims whose lease ran out or whose nack backoff passed. Looking for them costs a
+// walk of the group's claims and of the index entries of every claim settled since the last
+// vacuum, so a subscription draining a backlog looks once per PollInterval (claims of other
+// consumers, whose times it cannot know), and at once when it knows better:
+//   - one of its own claims came due: a nack's backoff ended, or a lease was lost (dueAt);
+//   - its last claim failed, was short (the backlog ran out, or in the advisory mode a lock
+//     was taken elsewhere and the claim left due for a later round), or took claims again:
+//     there may be more.
+//
+// With MaxInFlight 1 a nacked message is thus claimed again by the first claim after its
+// backoff, ahead of new messages (M3).
+type dueState struct {
+	next  time.Time // the next periodic look
+	again bool      // look at the next claim
+}
+
+// wantDue says whether the claim made at now runs the due step, and takes the subscription's
+// own due time if it has come.
+func (sub *subscription) wantDue(st *dueState, now time.Time) bool {
+	at := sub.dueAt.Load()
+	own := at != 0 && now.UnixNano() >= at
+	if own {
+		sub.dueAt.CompareAndSwap(at, 0) // a later due time set meanwhile stays
+	}
+	return own || st.again || !now.Before(st.next)
+}
+
+// claimed records the outcome of a claim of up to n messages; next is the periodic look after
+// one that ran the due step.
+func (st *dueState) claimed(withDue bool, next time.Time, cs []offsets.Claimed, n int, err error) {
+	if withDue {
+		st.next = next
+	}
+	st.again = err != nil || len(cs) < n || (len(cs) > 0 && cs[0].Again) // taken again come first
+}
+
+// markDue notes that a claim of this subscription is due again from t on.
+func (sub *subscription) markDue(t time.Time) {
+	v := t.UnixNano()
+	for {
+		at := sub.dueAt.Load()
+		if at != 0 && at <= v {
+			return
+		}
+		if sub.dueAt.CompareAndSwap(at, v) {
+			return
+		}
 	}
 }
 
@@ -490,9 +547,9 @@ const claimTimeout = time.Minute
 // word. When the subscription stops during a claim, the server is asked to cancel that very
 // statement (a cancel request for its backend), and the claim returns only once the server
 // has ended it and rolled it back (S3).
-func (sub *subscription) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed, int64, error) {
+func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
 	if sub.adv != nil {
-		return sub.adv.claim(buf, n)
+		return sub.adv.claim(buf, n, due)
 	}
 	token := rand.Int64N(1<<62) + 1
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(sub.ctx), claimTimeout)
@@ -518,7 +575,7 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed,
 		cancelSent.Store(true)
 		connClosed.Store(closes)
 	})
-	claimed, err := sub.store.Claim(qctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, buf)
+	claimed, err := sub.store.Claim(qctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, due, buf)
 	if !stop() {
 		<-cancelled // hold the connection until the cancel has been sent
 	}
@@ -808,6 +865,9 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 		sub.logger.Error("Settlement failed", err, watermill.LogFields{"op": op, "count": len(these), "retrying": len(retry)})
 		return retry
 	}
+	if op == "nack" && len(done) > 0 {
+		sub.markDue(time.Now().Add(sub.cfg.NackBackoff))
+	}
 	for _, st := range these {
 		if done[st.d.offset] {
 			if op == "ack" {
@@ -958,6 +1018,7 @@ func (sub *subscription) extendOnce() {
 		case err == nil && !d.settling, err != nil && time.Now().After(d.deadline):
 			d.lost = true
 			d.mu.Unlock()
+			sub.markDue(time.Now()) // its lease ran out: the row is due, and this may take it
 			sub.s.stats.leasesLost.Add(1)
 			sub.logger.Info("Lease lost; the message may be redelivered", sub.fields(d.offset))
 			d.cancel(ErrLeaseLost)

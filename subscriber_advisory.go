@@ -144,7 +144,7 @@ func (a *advisoryState) registered(ds []*delivery) {
 }
 
 // claim is the advisory claim round: orphans first, then claims due again and new messages.
-func (a *advisoryState) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed, int64, error) {
+func (a *advisoryState) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
 	sub := a.sub
 	token := rand.Int64N(1<<62) + 1
 	a.roundGen = 0
@@ -158,7 +158,7 @@ func (a *advisoryState) claim(buf []offsets.Claimed, n int) ([]offsets.Claimed, 
 	}
 	rescued := len(buf)
 	if rescued < n {
-		claimed, gen, err := a.claimNew(buf, n-rescued, token)
+		claimed, gen, err := a.claimNew(buf, n-rescued, token, due)
 		if err != nil {
 			a.giveBackNow(buf[:rescued], token, a.roundGen)
 			return buf[:0], token, err
@@ -241,13 +241,13 @@ func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]off
 
 // claimNew claims due and new messages on the lock connection, taking their locks in the
 // statement that claims them.
-func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64) ([]offsets.Claimed, uint64, error) {
+func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64, due bool) ([]offsets.Claimed, uint64, error) {
 	sub := a.sub
 	start := len(buf)
 	out := buf
 	gen, err := a.conn.Claim(func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error) {
 		var err error
-		out, err = sub.store.ClaimLocked(ctx, q, sub.groupID, token, n, a.key1, held, buf)
+		out, err = sub.store.ClaimLocked(ctx, q, sub.groupID, token, n, a.key1, held, due, buf)
 		if err != nil {
 			return nil, err
 		}
@@ -294,6 +294,7 @@ func (a *advisoryState) releaseGen(fs []offsets.Fenced, gen uint64) {
 	} else {
 		sub.s.stats.released.Add(int64(len(done)))
 		sub.releasedAtStop.Add(int64(len(done)))
+		sub.markDue(time.Now())
 	}
 	a.unlock(offs, gen)
 }
@@ -379,6 +380,9 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 		return nil
 	}
 	done, err := sub.settleStatement(op, fs)
+	if err == nil && op == "nack" && len(done) > 0 {
+		sub.markDue(time.Now().Add(sub.cfg.NackBackoff))
+	}
 	if err != nil {
 		sub.s.stats.errors.Add(1)
 		sub.logger.Error("Settlement failed, retrying while the lock holds", err, watermill.LogFields{"op": op, "count": len(these)})

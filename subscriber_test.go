@@ -146,6 +146,82 @@ func TestSubscriber_L5_deadConsumersMessageReturnsAfterLease(t *testing.T) {
 	m2.Ack()
 }
 
+// A claim whose lease ran out is taken back while a backlog drains, not only once the backlog
+// has run out: a subscriber whose claims all come back full still looks for claims due again,
+// once a PollInterval (L5).
+func TestSubscriber_L5_deadConsumersMessageReturnsDuringBacklog(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	dying := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: time.Second, LeaseRenewInterval: 200 * time.Millisecond})
+	publish(t, pub, topic, "x")
+	msgs, err := dying.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	x := receive(t, msgs, 10*time.Second)
+	_, err = dying.Shutdown(ctx)
+	require.NoError(t, err)
+
+	const backlog = 5000
+	payloads := make([]string, backlog)
+	for i := range payloads {
+		payloads[i] = strconv.Itoa(i)
+	}
+	publish(t, pub, topic, payloads...)
+
+	// One in flight: every claim asks for one message and gets it while the backlog lasts.
+	other := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 1, PollInterval: 20 * time.Millisecond})
+	started := time.Now()
+	again, err := other.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	for before := 0; ; before++ {
+		m := receive(t, again, 10*time.Second)
+		m.Ack()
+		if m.UUID == x.UUID {
+			assert.Equal(t, "2", m.Metadata.Get(sqlbroker.MetadataAttempt))
+			assert.Less(t, before, backlog, "taken back only after the backlog ran out")
+			t.Logf("taken back after %d of %d backlog messages, %v after the subscriber started", before, backlog, time.Since(started))
+			return
+		}
+	}
+}
+
+// Draining a backlog, in either claim mode and with either driver, meets no database error:
+// a claim that fails is retried and its messages still arrive, so only the count shows it.
+// Every claim statement variant runs here (the first claim looks for claims due again, the
+// following ones do not), with the random 62-bit tokens of real claims.
+func TestSubscriber_drainMeetsNoError(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []sqlbroker.ClaimMode{sqlbroker.ClaimLease, sqlbroker.ClaimAdvisoryLock} {
+		for name, db := range map[string]func(*testing.T) sqlbroker.DB{"pgx": pgxDB, "libpq": stdDB} {
+			t.Run(mode.String()+"/"+name, func(t *testing.T) {
+				ctx := context.Background()
+				topic := testdb.Topic(t, "")
+				pub := newPublisher(t, db(t))
+				const backlog = 2000
+				payloads := make([]string, backlog)
+				for i := range payloads {
+					payloads[i] = strconv.Itoa(i)
+				}
+				publish(t, pub, topic, payloads...)
+				sub, err := sqlbroker.NewSubscriber(db(t), sqlbroker.SubscriberConfig{ConsumerGroup: "g", ClaimMode: mode, InitializeSchema: true, BatchSize: 50}, nil)
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = sub.Close() })
+				msgs, err := sub.Subscribe(ctx, topic)
+				require.NoError(t, err)
+				seen := map[string]bool{}
+				for len(seen) < backlog {
+					m := receive(t, msgs, 10*time.Second)
+					seen[string(m.Payload)] = true
+					m.Ack()
+				}
+				testdb.Eventually(t, 10*time.Second, "every ack", func() bool { return sub.Stats().Acked == backlog })
+				assert.Zero(t, sub.Stats().Errors, "database errors")
+			})
+		}
+	}
+}
+
 // Nack gives the message back with a backoff; the attempt count travels in the metadata (M4).
 func TestSubscriber_M4_nackBackoffAndAttempts(t *testing.T) {
 	t.Parallel()

@@ -29,18 +29,13 @@ import (
 //     when its lock was taken, otherwise due at once (attempt 0) for a later round; the
 //     position advances past all of them.
 //
-// with and cond are the asynchronous-commit prefix and condition of NewStore. The group row is
-// locked, as in the lease mode, only when a message is waiting after its position: an idle
-// poll locks and writes nothing.
-func claimLockedSQL(t Tables, with, cond string) string {
-	return fmt.Sprintf(`%[4]sdue AS (
-	SELECT "offset" FROM %[3]s
-	WHERE "group_id" = $1 AND "visible_at" <= now()%[5]s
-	ORDER BY "offset" LIMIT $4
-	FOR UPDATE SKIP LOCKED
-), g AS (
+// with and cond are the asynchronous-commit prefix and condition of NewStore; due and r are
+// dueSQL and lockedAgainSQL, or noDueSQL and noneAgainSQL for a claim of new messages only. The group row is locked, as in the lease mode, only when a
+// message is waiting after its position: an idle poll locks and writes nothing.
+func claimLockedSQL(t Tables, with, cond, due, r string) string {
+	return fmt.Sprintf(`%[4]s`+due+`, g AS (
 	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
-	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4
+	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4%[5]s
 	  AND (`+nextWaitingSQL+`) IS NOT NULL
 	FOR UPDATE
 ), m AS MATERIALIZED (
@@ -57,20 +52,23 @@ func claimLockedSQL(t Tables, with, cond string) string {
 ), lk AS MATERIALIZED (
 	SELECT coalesce(array_agg(o), '{}') AS os FROM cand
 	WHERE o <> ALL ($5::bigint[]) AND pg_try_advisory_lock($3::int4, (o::bit(32))::int4)
-), r AS (
-	UPDATE %[3]s c SET "token" = $2, "visible_at" = 'infinity', "attempts" = c."attempts" + 1
-	FROM due, lk
-	WHERE c."group_id" = $1 AND c."offset" = due."offset" AND due."offset" = ANY (lk.os)
-	RETURNING c."offset", c."attempts"
-), ins AS (
+), `+r+`, ins AS (
 	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
 	SELECT $1, m."offset",
-		CASE WHEN m."offset" = ANY (lk.os) THEN $2 ELSE 0 END,
+		CASE WHEN m."offset" = ANY (lk.os) THEN $2::bigint ELSE 0 END,
 		CASE WHEN m."offset" = ANY (lk.os) THEN 'infinity' ELSE now() END,
 		CASE WHEN m."offset" = ANY (lk.os) THEN 1 ELSE 0 END
 	FROM m, lk
 )`+claimTailSQL(`m, lk WHERE m."offset" = ANY (lk.os)`), t.Groups, t.Messages, t.Claims, with, cond)
 }
+
+// lockedAgainSQL is the step r of claimLockedSQL.
+const lockedAgainSQL = `r AS (
+	UPDATE %[3]s c SET "token" = $2, "visible_at" = 'infinity', "attempts" = c."attempts" + 1
+	FROM due, lk
+	WHERE c."group_id" = $1 AND c."offset" = due."offset" AND due."offset" = ANY (lk.os)
+	RETURNING c."offset", c."attempts"
+)`
 
 // heldSQL lists claims of group $1 held by a lock (visible_at 'infinity') after offset $2, in
 // offset order, leaving out the offsets in $3 (the caller's own deliveries), up to $4. The
@@ -94,7 +92,7 @@ const adoptSQL = `WITH r AS (
 	WHERE c."group_id" = $1 AND c."offset" = ANY ($3::bigint[]) AND c."visible_at" = 'infinity'
 	RETURNING c."offset", c."attempts"
 )
-SELECT m."offset", m."uuid", m."payload", m."metadata"::text, r."attempts"
+SELECT m."offset", m."uuid", m."payload", m."metadata"::text, r."attempts", 0
 FROM r JOIN %[2]s m ON m."offset" = r."offset"
 ORDER BY m."offset"`
 
@@ -103,11 +101,16 @@ ORDER BY m."offset"`
 // connection that holds the locks, with key1 the group's lock key and skip the offsets whose
 // locks that connection already holds. It returns the claimed messages: those whose lock it
 // took. If it fails, locks it took before failing stay with the session: close the connection.
-func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit int, key1 int32, skip []int64, out []Claimed) ([]Claimed, error) {
+// With due false it claims new messages only, as Claim does.
+func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit int, key1 int32, skip []int64, due bool, out []Claimed) ([]Claimed, error) {
 	if skip == nil {
 		skip = []int64{}
 	}
-	rows, err := q.Query(ctx, s.claimLockedSQL, groupID, token, key1, limit, skip)
+	sql := s.claimLockedNewSQL
+	if due {
+		sql = s.claimLockedSQL
+	}
+	rows, err := q.Query(ctx, sql, groupID, token, key1, limit, skip)
 	if err != nil {
 		return out, err
 	}

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
 	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
@@ -196,9 +197,15 @@ func (r *rawOps) claimAcker(ctx context.Context, topic string) (func() (int, err
 	buf := make([]offsets.Claimed, 0, 100)
 	fs := make([]offsets.Fenced, 0, 100)
 	var token int64
+	var nextDue time.Time
 	return func() (int, error) {
 		token++
-		claimed, err := store.Claim(ctx, r.e.db, gid, token, 30*time.Second, 100, buf[:0])
+		// As the subscriber does while it drains a backlog: the due step once a poll interval.
+		due := !time.Now().Before(nextDue)
+		if due {
+			nextDue = time.Now().Add(sqlbroker.DefaultPollInterval)
+		}
+		claimed, err := store.Claim(ctx, r.e.db, gid, token, 30*time.Second, 100, due, buf[:0])
 		if err != nil || len(claimed) == 0 {
 			return 0, err
 		}
