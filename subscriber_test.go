@@ -117,6 +117,22 @@ func TestSubscriber_L4_lostLeaseCancelsMessageContext(t *testing.T) {
 	testdb.Eventually(t, 10*time.Second, "the ack to be refused", func() bool { return sub.Stats().StaleSettlements == 1 })
 }
 
+// leftInWork publishes one message to topic, has a subscriber of group "g" with a lease of
+// one second take it, and shuts that subscriber down with the message still in its handler:
+// the claim stays, and its lease runs out a second later.
+func leftInWork(t *testing.T, pub message.Publisher, topic string) *message.Message {
+	t.Helper()
+	dying := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: time.Second, LeaseRenewInterval: 200 * time.Millisecond})
+	publish(t, pub, topic, "x")
+	msgs, err := dying.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	m := receive(t, msgs, 10*time.Second)
+	rep, err := dying.Shutdown(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, 1, rep.LeasesLeft)
+	return m
+}
+
 // A consumer that stops extending (it died, or shut down with the delivery in work) leaves a
 // lease that runs out; the message then goes to another consumer of the group, with its
 // attempt count raised (L5, S4).
@@ -125,15 +141,7 @@ func TestSubscriber_L5_deadConsumersMessageReturnsAfterLease(t *testing.T) {
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
 	pub := newPublisher(t, pgxDB(t))
-	dying := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: time.Second, LeaseRenewInterval: 200 * time.Millisecond})
-	publish(t, pub, topic, "x")
-	msgs, err := dying.Subscribe(ctx, topic)
-	require.NoError(t, err)
-	m := receive(t, msgs, 10*time.Second)
-
-	rep, err := dying.Shutdown(ctx)
-	require.NoError(t, err)
-	assert.Equal(t, 1, rep.LeasesLeft)
+	m := leftInWork(t, pub, topic)
 	stopped := time.Now()
 
 	other := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
@@ -154,13 +162,7 @@ func TestSubscriber_L5_deadConsumersMessageReturnsDuringBacklog(t *testing.T) {
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
 	pub := newPublisher(t, pgxDB(t))
-	dying := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: time.Second, LeaseRenewInterval: 200 * time.Millisecond})
-	publish(t, pub, topic, "x")
-	msgs, err := dying.Subscribe(ctx, topic)
-	require.NoError(t, err)
-	x := receive(t, msgs, 10*time.Second)
-	_, err = dying.Shutdown(ctx)
-	require.NoError(t, err)
+	x := leftInWork(t, pub, topic)
 
 	const backlog = 5000
 	payloads := make([]string, backlog)

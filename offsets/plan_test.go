@@ -29,6 +29,32 @@ type planNode struct {
 	Plans       []planNode `json:"Plans"`
 }
 
+// explained is one plan that auto_explain reported: its root node and its JSON text.
+type explained struct {
+	root planNode
+	text string
+}
+
+// parsePlans reads the plans reported for one run of a statement (what); it fails the test
+// when there is none.
+func parsePlans(t *testing.T, what string, raw []string) []explained {
+	t.Helper()
+	if len(raw) == 0 {
+		t.Fatalf("%s: auto_explain reported no plan", what)
+	}
+	out := make([]explained, len(raw))
+	for i, p := range raw {
+		var doc struct {
+			Plan planNode `json:"Plan"`
+		}
+		if err := json.Unmarshal([]byte(p), &doc); err != nil {
+			t.Fatalf("%s: plan is not JSON: %v\n%s", what, err, p)
+		}
+		out[i] = explained{doc.Plan, p}
+	}
+	return out
+}
+
 // widest returns the node of the plan that produced the most rows (rows x loops).
 func widest(n planNode) (planNode, float64) {
 	best, most := n, n.ActualRows*n.ActualLoops
@@ -163,22 +189,12 @@ func TestClaimPlanStaysFlat(t *testing.T) {
 			if n != batch {
 				t.Fatalf("%s claim, round %d: claimed %d, want %d", name, round, n, batch)
 			}
-			seen := plans()
-			if len(seen) == 0 {
-				t.Fatalf("%s claim, round %d: auto_explain reported no plan", name, round)
-			}
-			for _, p := range seen {
-				var doc struct {
-					Plan planNode `json:"Plan"`
-				}
-				if err := json.Unmarshal([]byte(p), &doc); err != nil {
-					t.Fatalf("%s claim: plan is not JSON: %v\n%s", name, err, p)
-				}
+			for _, p := range parsePlans(t, fmt.Sprintf("%s claim, round %d", name, round), plans()) {
 				// The group's own claims are read too (the due step), as many as it holds.
 				held := round * batch
-				if node, most := widest(doc.Plan); most > float64(5*batch+held) {
+				if node, most := widest(p.root); most > float64(5*batch+held) {
 					t.Errorf("%s claim, round %d: %s on %s%s produced %.0f rows for a batch of %d with %d claims held and %d waiting:\n%s",
-						name, round, node.NodeType, node.Relation, node.Index, most, batch, held, backlog, p)
+						name, round, node.NodeType, node.Relation, node.Index, most, batch, held, backlog, p.text)
 				}
 			}
 		}
@@ -244,20 +260,10 @@ func TestSettlePlansStayFlat(t *testing.T) {
 	q := dbx.PgxConn(conn)
 	check := func(what string, round int) {
 		t.Helper()
-		seen := plans()
-		if len(seen) == 0 {
-			t.Fatalf("%s, round %d: auto_explain reported no plan", what, round)
-		}
-		for _, p := range seen {
-			var doc struct {
-				Plan planNode `json:"Plan"`
-			}
-			if err := json.Unmarshal([]byte(p), &doc); err != nil {
-				t.Fatalf("%s: plan is not JSON: %v\n%s", what, err, p)
-			}
-			if node, most := widestOn(doc.Plan, tables.Claims); most > 2*batch {
+		for _, p := range parsePlans(t, fmt.Sprintf("%s, round %d", what, round), plans()) {
+			if node, most := widestOn(p.root, tables.Claims); most > 2*batch {
 				t.Errorf("%s, round %d: %s on %s%s produced %.0f rows for a batch of %d after %d claims were settled:\n%s",
-					what, round, node.NodeType, node.Relation, node.Index, most, batch, settled, p)
+					what, round, node.NodeType, node.Relation, node.Index, most, batch, settled, p.text)
 			}
 		}
 	}
