@@ -2,6 +2,7 @@ package sqlbroker_test
 
 import (
 	"context"
+	"strconv"
 	"testing"
 	"time"
 
@@ -42,6 +43,15 @@ func publish(t *testing.T, pub message.Publisher, topic string, payloads ...stri
 	}
 	require.NoError(t, pub.Publish(topic, msgs...))
 	return msgs
+}
+
+// numbered returns the payloads "0" to n-1, as strings.
+func numbered(n int) []string {
+	ps := make([]string, n)
+	for i := range ps {
+		ps[i] = strconv.Itoa(i)
+	}
+	return ps
 }
 
 // receive reads one message from ch within timeout.

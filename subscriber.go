@@ -820,14 +820,19 @@ func (sub *subscription) settleLoop() {
 }
 
 // settleStatement applies acks or nacks (op) of the fenced claims in one statement, under a
-// cleanup context, and returns the offsets it settled.
+// cleanup context, and returns the offsets it settled. Nacked claims come due again after
+// NackBackoff: the claim loop is told when (markDue).
 func (sub *subscription) settleStatement(op string, fs []offsets.Fenced) (map[int64]bool, error) {
 	ctx, cancel := dbx.CleanupContext(sub.ctx)
 	defer cancel()
 	if op == "ack" {
 		return sub.store.Ack(ctx, sub.s.db, sub.groupID, fs)
 	}
-	return sub.store.Nack(ctx, sub.s.db, sub.groupID, fs, sub.cfg.NackBackoff)
+	done, err := sub.store.Nack(ctx, sub.s.db, sub.groupID, fs, sub.cfg.NackBackoff)
+	if err == nil && len(done) > 0 {
+		sub.markDue(time.Now().Add(sub.cfg.NackBackoff))
+	}
+	return done, err
 }
 
 // apply runs the settlements of kind op among sts in one statement and returns those that
@@ -864,9 +869,6 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 		}
 		sub.logger.Error("Settlement failed", err, watermill.LogFields{"op": op, "count": len(these), "retrying": len(retry)})
 		return retry
-	}
-	if op == "nack" && len(done) > 0 {
-		sub.markDue(time.Now().Add(sub.cfg.NackBackoff))
 	}
 	for _, st := range these {
 		if done[st.d.offset] {

@@ -380,9 +380,6 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 		return nil
 	}
 	done, err := sub.settleStatement(op, fs)
-	if err == nil && op == "nack" && len(done) > 0 {
-		sub.markDue(time.Now().Add(sub.cfg.NackBackoff))
-	}
 	if err != nil {
 		sub.s.stats.errors.Add(1)
 		sub.logger.Error("Settlement failed, retrying while the lock holds", err, watermill.LogFields{"op": op, "count": len(these)})

@@ -165,11 +165,7 @@ func TestSubscriber_L5_deadConsumersMessageReturnsDuringBacklog(t *testing.T) {
 	x := leftInWork(t, pub, topic)
 
 	const backlog = 5000
-	payloads := make([]string, backlog)
-	for i := range payloads {
-		payloads[i] = strconv.Itoa(i)
-	}
-	publish(t, pub, topic, payloads...)
+	publish(t, pub, topic, numbered(backlog)...)
 
 	// One in flight: every claim asks for one message and gets it while the backlog lasts.
 	other := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 1, PollInterval: 20 * time.Millisecond})
@@ -201,11 +197,7 @@ func TestSubscriber_drainMeetsNoError(t *testing.T) {
 				topic := testdb.Topic(t, "")
 				pub := newPublisher(t, db(t))
 				const backlog = 2000
-				payloads := make([]string, backlog)
-				for i := range payloads {
-					payloads[i] = strconv.Itoa(i)
-				}
-				publish(t, pub, topic, payloads...)
+				publish(t, pub, topic, numbered(backlog)...)
 				sub, err := sqlbroker.NewSubscriber(db(t), sqlbroker.SubscriberConfig{ConsumerGroup: "g", ClaimMode: mode, InitializeSchema: true, BatchSize: 50}, nil)
 				require.NoError(t, err)
 				t.Cleanup(func() { _ = sub.Close() })

@@ -30,8 +30,9 @@ import (
 //     position advances past all of them.
 //
 // with and cond are the asynchronous-commit prefix and condition of NewStore; due and r are
-// dueSQL and lockedAgainSQL, or noDueSQL and noneAgainSQL for a claim of new messages only. The group row is locked, as in the lease mode, only when a
-// message is waiting after its position: an idle poll locks and writes nothing.
+// dueSQL and lockedAgainSQL, or noDueSQL and noneAgainSQL for a claim of new messages only.
+// The group row is locked, as in the lease mode, only when a message is waiting after its
+// position: an idle poll locks and writes nothing.
 func claimLockedSQL(t Tables, with, cond, due, r string) string {
 	return fmt.Sprintf(`%[4]s`+due+`, g AS (
 	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr

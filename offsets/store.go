@@ -81,11 +81,7 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	SELECT $1, m."offset", $2, now() + $3::float8 * interval '1 millisecond', 1 FROM m
 )`+claimTailSQL("m"), t.Groups, t.Messages, t.Claims, with, cond)
 	}
-	s.claimSQL = claim(dueSQL, `r AS (
-	UPDATE %[3]s c SET "token" = $2, "visible_at" = now() + $3::float8 * interval '1 millisecond', "attempts" = c."attempts" + 1
-	FROM due WHERE c."group_id" = $1 AND c."offset" = due."offset"
-	RETURNING c."offset", c."attempts"
-)`)
+	s.claimSQL = claim(dueSQL, leasedAgainSQL)
 	s.claimNewSQL = claim(noDueSQL, noneAgainSQL)
 
 	s.claimLockedSQL = claimLockedSQL(t, with, cond, dueSQL, lockedAgainSQL)
@@ -170,6 +166,14 @@ const dueSQL = `due AS (
 	WHERE "group_id" = $1 AND "visible_at" <= now()%[5]s
 	ORDER BY "offset" LIMIT $4
 	FOR UPDATE SKIP LOCKED
+)`
+
+// leasedAgainSQL is the step r of the lease mode's claim: the due claims, taken again under
+// the new token and lease, one attempt more (lockedAgainSQL is the advisory mode's).
+const leasedAgainSQL = `r AS (
+	UPDATE %[3]s c SET "token" = $2, "visible_at" = now() + $3::float8 * interval '1 millisecond', "attempts" = c."attempts" + 1
+	FROM due WHERE c."group_id" = $1 AND c."offset" = due."offset"
+	RETURNING c."offset", c."attempts"
 )`
 
 // noDueSQL is the due step that takes nothing, and noneAgainSQL the step r (the due claims
