@@ -23,6 +23,7 @@ func scenarioRaw(ctx context.Context, b *bench, c contender) error {
 		b.results.setText("7a", c, "= lease")
 		b.results.setText("7b", c, "= lease")
 		b.results.setText("7c", c, "n/a")
+		b.results.setText("7d", c, "= lease")
 		b.results.note("advisory, scenario 7: the inserts are the lease mode's; the advisory claim statements are not exported yet (n/a)")
 		return nil
 	}
@@ -73,6 +74,20 @@ func scenarioRaw(ctx context.Context, b *bench, c contender) error {
 		return err
 	}
 	b.results.set("7b", c, rate(int64(len(msgs)), elapsed))
+
+	// 7d: one row per statement, one goroutine: what a call costs whatever it carries (a round
+	// trip and a commit that waits for its WAL flush). Scenario 5a pays it once a batch of 100.
+	msgs = newMessages(max(b.cfg.rawSingleN/10, 100), b.payload)
+	start = time.Now()
+	for i := range msgs {
+		if err := ctx.Err(); err != nil {
+			return context.Cause(ctx)
+		}
+		if err := r.insert(ctx, topic2, msgs[i:i+1]); err != nil {
+			return fmt.Errorf("single insert at %d: %w", i, err)
+		}
+	}
+	b.results.set("7d", c, rate(int64(len(msgs)), time.Since(start)))
 	return nil
 }
 

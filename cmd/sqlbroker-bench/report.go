@@ -49,6 +49,7 @@ func rowDefs(c *config) []rowDef {
 		{"7a", 7, "raw insert, batches of 100, 1 goroutine", "msg/s", false},
 		{"7b", 7, fmt.Sprintf("raw insert, 1 row, %d goroutines", c.publishWorkers), "msg/s", false},
 		{"7c", 7, "raw claim+ack, batches of 100, 1 goroutine", "msg/s", false},
+		{"7d", 7, "raw insert, 1 row, 1 goroutine (the commit floor)", "msg/s", false},
 	}
 }
 
