@@ -86,6 +86,7 @@ func constructors(d driver, mode sqlbroker.ClaimMode, ordered bool) (tests.PubSu
 			_ = sub.Close()
 			_ = pub.Close()
 		})
+		watchStall(t, sub)
 		return pub, sub
 	}
 	// Without a group, every subscriber the suite builds is a consumer of its own (like a
