@@ -106,5 +106,8 @@ func stallSnapshot(pool *pgxpool.Pool, sub *sqlbroker.Subscriber, idle time.Dura
 		}
 		fmt.Fprintf(&b, "session %d %s wait=%s xid=%s xmin=%s xact_age=%s: %s\n", pid, state, wait, xid, xmin, age, strings.Join(strings.Fields(q), " "))
 	}
+	if err := rows.Err(); err != nil {
+		fmt.Fprintf(&b, "sessions: %v\n", err)
+	}
 	return b.String()
 }

@@ -41,19 +41,14 @@ func scenarioRaw(ctx context.Context, b *bench, c contender) error {
 		return err
 	}
 	msgs := newMessages(b.cfg.rawN, b.payload)
-	start := time.Now()
-	for i := 0; i < len(msgs); i += 100 {
-		if err := ctx.Err(); err != nil {
-			return context.Cause(ctx)
-		}
-		if err := r.insert(ctx, topic, msgs[i:min(i+100, len(msgs))]); err != nil {
-			return fmt.Errorf("insert at %d: %w", i, err)
-		}
+	elapsed, err := r.insertEach(ctx, topic, msgs, 100)
+	if err != nil {
+		return err
 	}
-	b.results.set("7a", c, rate(int64(len(msgs)), time.Since(start)))
+	b.results.set("7a", c, rate(int64(len(msgs)), elapsed))
 
 	// 7c: claim 100 and ack them, one goroutine, until the table is drained.
-	start = time.Now()
+	start := time.Now()
 	n, err := r.drain(ctx, topic, len(msgs))
 	if err != nil {
 		return fmt.Errorf("claim+ack (%d of %d done): %w", n, len(msgs), err)
@@ -67,7 +62,7 @@ func scenarioRaw(ctx context.Context, b *bench, c contender) error {
 		return err
 	}
 	msgs = newMessages(b.cfg.rawSingleN, b.payload)
-	elapsed, err := parallel(ctx, b.cfg.publishWorkers, len(msgs), func(i int) error {
+	elapsed, err = parallel(ctx, b.cfg.publishWorkers, len(msgs), func(i int) error {
 		return r.insert(ctx, topic2, msgs[i:i+1])
 	})
 	if err != nil {
@@ -78,17 +73,26 @@ func scenarioRaw(ctx context.Context, b *bench, c contender) error {
 	// 7d: one row per statement, one goroutine: what a call costs whatever it carries (a round
 	// trip and a commit that waits for its WAL flush). Scenario 5a pays it once a batch of 100.
 	msgs = newMessages(max(b.cfg.rawSingleN/10, 100), b.payload)
-	start = time.Now()
-	for i := range msgs {
+	if elapsed, err = r.insertEach(ctx, topic2, msgs, 1); err != nil {
+		return err
+	}
+	b.results.set("7d", c, rate(int64(len(msgs)), elapsed))
+	return nil
+}
+
+// insertEach inserts msgs in statements of size rows, one after another, and returns the
+// wall time.
+func (r *rawOps) insertEach(ctx context.Context, topic string, msgs []*message.Message, size int) (time.Duration, error) {
+	start := time.Now()
+	for i := 0; i < len(msgs); i += size {
 		if err := ctx.Err(); err != nil {
-			return context.Cause(ctx)
+			return 0, context.Cause(ctx)
 		}
-		if err := r.insert(ctx, topic2, msgs[i:i+1]); err != nil {
-			return fmt.Errorf("single insert at %d: %w", i, err)
+		if err := r.insert(ctx, topic, msgs[i:min(i+size, len(msgs))]); err != nil {
+			return 0, fmt.Errorf("insert at %d: %w", i, err)
 		}
 	}
-	b.results.set("7d", c, rate(int64(len(msgs)), time.Since(start)))
-	return nil
+	return time.Since(start), nil
 }
 
 // rawOps are one contender's statements, run directly on its pool.
