@@ -18,7 +18,9 @@ import (
 //   - due, g, m: as in the lease mode's claim, the candidates: claims due again (nacked or
 //     released, backoff passed), then the next messages after the group's position (M2).
 //   - lk: tries the lock of exactly each candidate, leaving out $5 (offsets whose lock this
-//     session holds already: session locks are re-entrant). It reads the materialised
+//     session holds already: session locks are re-entrant). $5 is read through a subquery,
+//     so that the generic plan's estimate does not differ from the custom plans' with the
+//     array's real length (see the lease mode's claim in store.go). It reads the materialised
 //     candidates, after their LIMIT, has no LIMIT of its own (A4), and aggregates: every
 //     candidate is tried exactly once, before any step uses the result.
 //   - r: due claims whose lock was taken are held under the token, one attempt more; the others
@@ -52,7 +54,7 @@ func claimLockedSQL(t Tables, with, cond, due, r string) string {
 	SELECT "offset" FROM m
 ), lk AS MATERIALIZED (
 	SELECT coalesce(array_agg(o), '{}') AS os FROM cand
-	WHERE o <> ALL ($5::bigint[]) AND pg_try_advisory_lock($3::int4, (o::bit(32))::int4)
+	WHERE o <> ALL ((SELECT $5::bigint[])::bigint[]) AND pg_try_advisory_lock($3::int4, (o::bit(32))::int4)
 ), `+r+`, ins AS (
 	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
 	SELECT $1, m."offset",

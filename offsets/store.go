@@ -63,6 +63,12 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	//    the index and filter, a cost that grows with every message the group consumed.
 	// Redeliveries come first, then new messages in (xid, offset) order. claimNewSQL is the
 	// same statement without the due step (see dueSQL).
+	//
+	// No parameter is used in an expression evaluated per row: the lease deadline is computed
+	// once, in a subquery. The server keeps a generic plan of a prepared statement only if it
+	// does not look dearer than the custom plans made with the parameters' values, and
+	// with a million rows' estimates the constant-folded deadline alone made the custom plans
+	// look cheaper: every claim was then planned anew (TestClaimsKeepGenericPlans).
 	claim := func(due, r string) string {
 		return fmt.Sprintf(`%[4]s`+due+`, `+r+`, g AS (
 	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
@@ -78,7 +84,7 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	LIMIT $4 - (SELECT count(*) FROM due)
 ), ins AS (
 	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
-	SELECT $1, m."offset", $2, now() + $3::float8 * interval '1 millisecond', 1 FROM m
+	SELECT $1, m."offset", $2, (SELECT now() + $3::float8 * interval '1 millisecond'), 1 FROM m
 )`+claimTailSQL("m"), t.Groups, t.Messages, t.Claims, with, cond)
 	}
 	s.claimSQL = claim(dueSQL, leasedAgainSQL)
@@ -171,7 +177,7 @@ const dueSQL = `due AS (
 // leasedAgainSQL is the step r of the lease mode's claim: the due claims, taken again under
 // the new token and lease, one attempt more (lockedAgainSQL is the advisory mode's).
 const leasedAgainSQL = `r AS (
-	UPDATE %[3]s c SET "token" = $2, "visible_at" = now() + $3::float8 * interval '1 millisecond', "attempts" = c."attempts" + 1
+	UPDATE %[3]s c SET "token" = $2, "visible_at" = (SELECT now() + $3::float8 * interval '1 millisecond'), "attempts" = c."attempts" + 1
 	FROM due WHERE c."group_id" = $1 AND c."offset" = due."offset"
 	RETURNING c."offset", c."attempts"
 )`
