@@ -32,16 +32,17 @@ import (
 )
 
 type config struct {
-	url         string
-	poolSize    int
-	payloadSize int
-	timeout     time.Duration
-	svgPath     string
-	cpuProfile  string
-	scenarios   map[int]bool
-	contenders  []contender
-	verbose     bool
-	traceSQL    bool
+	url           string
+	poolSize      int
+	payloadSize   int
+	timeout       time.Duration
+	svgPath       string
+	cpuProfile    string
+	scenarios     map[int]bool
+	contenders    []contender
+	verbose       bool
+	traceSQL      bool
+	serverProfile bool
 
 	drainN          int           // 1
 	drainInFlight   int           // 1
@@ -85,6 +86,7 @@ func parseFlags() (*config, error) {
 	flag.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of each contender's timed drain (scenario 1) to this path, the contender's name inserted before the extension")
 	flag.BoolVar(&c.verbose, "v", false, "log progress to stderr")
 	flag.BoolVar(&c.traceSQL, "trace-sql", false, "time every statement on the client side (pgx tracer) and print a table per contender and scenario; slows the run a little")
+	flag.BoolVar(&c.serverProfile, "server-profile", false, "sample pg_stat_activity every 100ms during the drains (scenarios 1 and 6) and batched publishing (5a) and print where the server's time went: the contender's backends, autovacuum, background writes")
 	drainN := flag.Int("n", 100_000, "scenario 1: backlog to drain")
 	flag.IntVar(&c.drainInFlight, "drain-inflight", 0, "scenario 1: MaxInFlight of the library's subscriber (0: the library's default)")
 	slowBacklog := flag.Int("slow-backlog", 100_000, "scenarios 2, 3: backlog published before the timed window")

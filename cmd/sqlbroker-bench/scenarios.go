@@ -62,6 +62,7 @@ type routerRun struct {
 	drain       bool          // wait until the database shows every message settled
 	onStart     func()        // called right before the Router runs
 	onStop      func()        // called when the stop condition is met, before the Router closes
+	profile     string        // with -server-profile: the title of the server profile of this run
 }
 
 type routerResult struct {
@@ -111,6 +112,10 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 	if r.onStart != nil {
 		r.onStart()
 	}
+	var prof *serverProfile
+	if b.cfg.serverProfile && r.profile != "" {
+		prof = startServerProfile(ctx, b.admin, e.c.appName(), 100*time.Millisecond)
+	}
 	start := time.Now()
 	runErr := make(chan error, 1)
 	go func() { runErr <- router.Run(runCtx) }()
@@ -141,6 +146,11 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 		r.onStop()
 	}
 	res.cpu = cpuBetween(before, snapCPU(ctx, b.admin, e.c.appName()))
+	if prof != nil {
+		b.mu.Lock()
+		b.traces = append(b.traces, prof.finish(ctx, r.profile, res.handled))
+		b.mu.Unlock()
+	}
 
 	_ = router.Close()
 	select {
@@ -173,6 +183,7 @@ func scenarioDrain(ctx context.Context, b *bench, c contender) error {
 	}
 	var stopProfile func() error
 	res, err := b.runRouter(ctx, e, topic, routerRun{instances: 1, stopAt: b.cfg.drainN, drain: true, maxInFlight: b.cfg.drainInFlight,
+		profile: fmt.Sprintf("%s, scenario 1, %d messages", c, b.cfg.drainN),
 		onStart: func() {
 			if b.cfg.cpuProfile != "" {
 				stopProfile = startProfile(profilePath(b.cfg.cpuProfile, c), b)
@@ -448,6 +459,10 @@ func scenarioPublish(ctx context.Context, b *bench, c contender) error {
 		return err
 	}
 	msgs := newMessages(b.cfg.publishBatchN, b.payload)
+	var prof *serverProfile
+	if b.cfg.serverProfile {
+		prof = startServerProfile(ctx, b.admin, c.appName(), 100*time.Millisecond)
+	}
 	start := time.Now()
 	for i := 0; i < len(msgs); i += 100 {
 		if err := ctx.Err(); err != nil {
@@ -458,6 +473,12 @@ func scenarioPublish(ctx context.Context, b *bench, c contender) error {
 		}
 	}
 	b.results.set("5a", c, rate(int64(len(msgs)), time.Since(start)))
+	if prof != nil {
+		t := prof.finish(ctx, fmt.Sprintf("%s, scenario 5a, %d messages in batches of 100", c, len(msgs)), int64(len(msgs)))
+		b.mu.Lock()
+		b.traces = append(b.traces, t)
+		b.mu.Unlock()
+	}
 	b.dropTopic(c, topic)
 
 	// One message per call from many goroutines.
@@ -531,6 +552,7 @@ func scenarioMemory(ctx context.Context, b *bench, c contender) error {
 	var sampler *memSampler
 	res, err := b.runRouter(ctx, e, topic, routerRun{
 		instances: 1, stopAt: b.cfg.memoryN, drain: true, window: b.cfg.memoryCap,
+		profile: fmt.Sprintf("%s, scenario 6, %d messages", c, b.cfg.memoryN),
 		onStart: func() { sampler = startMemSampler(50 * time.Millisecond) },
 	})
 	if sampler != nil {
