@@ -419,7 +419,7 @@ func (sub *subscription) claimLoop() {
 
 		now := time.Now()
 		withDue := sub.wantDue(&due, now)
-		claimed, token, err := sub.claim(buf[:0], n, withDue)
+		claimed, token, err := sub.claim(buf[:0], n, withDue) // none when err != nil
 		due.claimed(withDue, now.Add(sub.cfg.PollInterval), claimed, n, err)
 		for range n - len(claimed) {
 			<-sub.held
@@ -601,7 +601,37 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offset
 		}
 		pcancel()
 	}
+	if err != nil && len(claimed) > 0 {
+		sub.dropUnsure(claimed, token)
+		claimed = claimed[:0]
+	}
 	return claimed, token, err
+}
+
+// dropUnsure gives back claims whose rows arrived before their statement failed, which none
+// of them is handed out for: the connection may have been cut after the server committed
+// (a restart of the server does that), so whether they are claimed is not known. A release
+// fenced by their token makes them visible again at once if they are; if it fails too, they
+// return when their lease runs out (L5). Handing them out instead would deliver messages whose
+// claim may have been rolled back, and keeping them would hold their MaxInFlight places
+// forever: with MaxInFlight 1 the subscription stopped claiming at a restart.
+func (sub *subscription) dropUnsure(cs []offsets.Claimed, token int64) {
+	fs := make([]offsets.Fenced, len(cs))
+	for i, c := range cs {
+		fs[i] = offsets.Fenced{Offset: c.Offset, Token: token}
+	}
+	ctx, cancel := dbx.CleanupContext(sub.ctx)
+	defer cancel()
+	done, err := sub.store.Release(ctx, sub.s.db, sub.groupID, fs)
+	if err != nil {
+		sub.s.stats.errors.Add(1)
+		sub.logger.Error("Releasing the claims of a failed claim statement failed; they return when their lease runs out", err, watermill.LogFields{"count": len(fs)})
+		return
+	}
+	sub.s.stats.released.Add(int64(len(done)))
+	if len(done) > 0 {
+		sub.markDue(time.Now())
+	}
 }
 
 // register puts claimed messages in the work set and queues them for handOutLoop; the queue

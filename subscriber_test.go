@@ -505,3 +505,46 @@ func TestSubscriber_M3_handlersBoundedClaimsAheadGivenBack(t *testing.T) {
 	}
 	testdb.Eventually(t, 10*time.Second, "the late acks", func() bool { return sub.Stats().Acked == 5 })
 }
+
+// A claim statement whose connection is cut after part of its result arrived (a restart of
+// the server does that) hands out none of its rows and gives them back: whether the server
+// committed the claim is not known. The subscription then goes on claiming. With MaxInFlight 1
+// it used to keep the place of the row it had read and never claim again.
+func TestSubscriber_claimCutMidResultIsGivenBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	proxy, pool := newCutProxy(t)
+	// The lease is far longer than the wait for the message: it must come back by its
+	// release, not by its lease running out.
+	sub, err := sqlbroker.NewSubscriber(sqlbroker.Pgx(pool), sqlbroker.SubscriberConfig{
+		ConsumerGroup: "g", MaxInFlight: 1, LeaseTTL: time.Minute, InitializeSchema: true,
+		PollInterval: 50 * time.Millisecond, RetryInterval: 100 * time.Millisecond,
+	}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	publish(t, pub, topic, "before")
+	m := receive(t, msgs, 10*time.Second)
+	m.Ack()
+	testdb.Eventually(t, 10*time.Second, "the first message acked", func() bool { return sub.Stats().Acked == 1 })
+
+	proxy.armed.Store(true)
+	cut := publish(t, pub, topic, "cut")[0]
+	m = receive(t, msgs, 15*time.Second)
+	assert.Equal(t, cut.UUID, m.UUID)
+	assert.EqualValues(t, 1, proxy.cuts.Load(), "the claim's connection was not cut")
+	m.Ack()
+
+	after := publish(t, pub, topic, "after")[0]
+	m = receive(t, msgs, 10*time.Second)
+	assert.Equal(t, after.UUID, m.UUID)
+	m.Ack()
+	testdb.Eventually(t, 10*time.Second, "all acked", func() bool { return sub.Stats().Acked == 3 })
+	st := sub.Stats()
+	assert.GreaterOrEqual(t, st.Errors, int64(1), "the cut claim was not counted as an error")
+	assert.EqualValues(t, 1, st.Released, "the cut claim's row was not given back")
+}
