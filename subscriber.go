@@ -620,18 +620,25 @@ func (sub *subscription) dropUnsure(cs []offsets.Claimed, token int64) {
 	for i, c := range cs {
 		fs[i] = offsets.Fenced{Offset: c.Offset, Token: token}
 	}
+	if n, ok := sub.releaseLeased(fs, "Releasing the claims of a failed claim statement failed"); ok && n > 0 {
+		sub.markDue(time.Now())
+	}
+}
+
+// releaseLeased gives back lease-mode claims, fenced by their tokens, and returns how many
+// the database released. A failure is counted and logged with failed: the claims then return
+// when their lease runs out.
+func (sub *subscription) releaseLeased(fs []offsets.Fenced, failed string) (int, bool) {
 	ctx, cancel := dbx.CleanupContext(sub.ctx)
 	defer cancel()
 	done, err := sub.store.Release(ctx, sub.s.db, sub.groupID, fs)
 	if err != nil {
 		sub.s.stats.errors.Add(1)
-		sub.logger.Error("Releasing the claims of a failed claim statement failed; they return when their lease runs out", err, watermill.LogFields{"count": len(fs)})
-		return
+		sub.logger.Error(failed+"; they return when their lease runs out", err, watermill.LogFields{"count": len(fs)})
+		return 0, false
 	}
 	sub.s.stats.released.Add(int64(len(done)))
-	if len(done) > 0 {
-		sub.markDue(time.Now())
-	}
+	return len(done), true
 }
 
 // register puts claimed messages in the work set and queues them for handOutLoop; the queue
@@ -739,17 +746,11 @@ func (sub *subscription) release(fs []offsets.Fenced) {
 		sub.adv.release(fs)
 		return
 	}
-	ctx, cancel := dbx.CleanupContext(sub.ctx)
-	defer cancel()
-	done, err := sub.store.Release(ctx, sub.s.db, sub.groupID, fs)
-	if err != nil {
-		sub.s.stats.errors.Add(1)
-		sub.logger.Error("Releasing undelivered claims failed; they return when their lease runs out", err, watermill.LogFields{"count": len(fs)})
-		return
+	n, ok := sub.releaseLeased(fs, "Releasing undelivered claims failed")
+	if ok {
+		sub.releasedAtStop.Add(int64(n))
+		sub.logger.Debug("Released undelivered claims", watermill.LogFields{"count": n})
 	}
-	sub.s.stats.released.Add(int64(len(done)))
-	sub.releasedAtStop.Add(int64(len(done)))
-	sub.logger.Debug("Released undelivered claims", watermill.LogFields{"count": len(done)})
 }
 
 // outcome waits for the handler's ack ("ack") or nack ("nack") of d, or for stop ("").

@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
@@ -213,13 +214,7 @@ func TestClaimPlanStaysFlat(t *testing.T) {
 func TestSettlePlansStayFlat(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	topic := testdb.Topic(t, "")
-	tables := offsets.NewTables("", "sqlbroker_", topic)
-	pool := testdb.Pgx(t)
-	db := dbx.NewPgxPool(pool)
-	if err := tables.Create(ctx, db); err != nil {
-		t.Fatal(err)
-	}
+	tables, pool, db := createTables(t, ctx)
 	if _, err := pool.Exec(ctx, "ALTER TABLE "+tables.Claims+" SET (autovacuum_enabled = false)"); err != nil {
 		t.Fatal(err)
 	}
@@ -235,13 +230,6 @@ func TestSettlePlansStayFlat(t *testing.T) {
 	gid, err := store.EnsureGroup(ctx, db, "g", false)
 	if err != nil {
 		t.Fatal(err)
-	}
-	fenced := func(cs []offsets.Claimed, token int64) []offsets.Fenced {
-		fs := make([]offsets.Fenced, len(cs))
-		for i, c := range cs {
-			fs[i] = offsets.Fenced{Offset: c.Offset, Token: token}
-		}
-		return fs
 	}
 	for token := int64(1 << 61); token < 1<<61+settled/100; token++ {
 		cs, err := store.Claim(ctx, db, gid, token, time.Minute, 100, false, nil)
@@ -312,13 +300,7 @@ func TestSettlePlansStayFlat(t *testing.T) {
 func TestClaimsKeepGenericPlans(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	topic := testdb.Topic(t, "")
-	tables := offsets.NewTables("", "sqlbroker_", topic)
-	pool := testdb.Pgx(t)
-	db := dbx.NewPgxPool(pool)
-	if err := tables.Create(ctx, db); err != nil {
-		t.Fatal(err)
-	}
+	tables, pool, _ := createTables(t, ctx)
 	store := offsets.NewStore(tables, true)
 	const backlog, batch, runs = 1_000_000, 20, 8
 	if _, err := pool.Exec(ctx, fmt.Sprintf(`INSERT INTO %s ("uuid", "payload")
@@ -343,13 +325,6 @@ func TestClaimsKeepGenericPlans(t *testing.T) {
 	advisory, err := store.EnsureGroup(ctx, q, "advisory", false)
 	if err != nil {
 		t.Fatal(err)
-	}
-	fenced := func(cs []offsets.Claimed, token int64) []offsets.Fenced {
-		fs := make([]offsets.Fenced, len(cs))
-		for i, c := range cs {
-			fs[i] = offsets.Fenced{Offset: c.Offset, Token: token}
-		}
-		return fs
 	}
 	for round := range runs {
 		for _, due := range []bool{true, false} {
@@ -412,4 +387,26 @@ func TestClaimsKeepGenericPlans(t *testing.T) {
 	if seen != 7 {
 		t.Errorf("saw %d statements run at least six times, want 7", seen)
 	}
+}
+
+// fenced returns the claims cs as claimed under token.
+func fenced(cs []offsets.Claimed, token int64) []offsets.Fenced {
+	fs := make([]offsets.Fenced, len(cs))
+	for i, c := range cs {
+		fs[i] = offsets.Fenced{Offset: c.Offset, Token: token}
+	}
+	return fs
+}
+
+// createTables creates the tables of a new topic and returns them with the pool they were
+// created through.
+func createTables(t *testing.T, ctx context.Context) (offsets.Tables, *pgxpool.Pool, *dbx.PgxPool) {
+	t.Helper()
+	tables := offsets.NewTables("", "sqlbroker_", testdb.Topic(t, ""))
+	pool := testdb.Pgx(t)
+	db := dbx.NewPgxPool(pool)
+	if err := tables.Create(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	return tables, pool, db
 }
