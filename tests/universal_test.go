@@ -4,6 +4,7 @@ package tests
 
 import (
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -96,6 +97,9 @@ func constructors(d driver, mode sqlbroker.ClaimMode, ordered bool) (tests.PubSu
 			_ = pub.Close()
 		})
 		watchStall(t, sub)
+		if strings.Contains(t.Name(), "/TestReconnect") {
+			return gateReconnect(pub, sub)
+		}
 		return pub, sub
 	}
 	// Without a group, every subscriber the suite builds is a consumer of its own (like a
