@@ -17,10 +17,14 @@ import (
 // while its claimer lives.
 //   - due, g, m: as in the lease mode's claim, the candidates: claims due again (nacked or
 //     released, backoff passed), then the next messages after the group's position (M2).
-//   - lk: tries the lock of exactly each candidate, leaving out $5 (offsets whose lock this
-//     session holds already: session locks are re-entrant). $5 is read through a subquery,
-//     so that the generic plan's estimate does not differ from the custom plans' with the
-//     array's real length (see the lease mode's claim in store.go). It reads the materialised
+//   - cand, lk: tries the lock of exactly each candidate, leaving out $5 (offsets whose lock
+//     this session holds already: session locks are re-entrant, and a lock taken twice stays
+//     held after its settlement's one unlock). The filter on $5 is made in cand, a
+//     materialised step of its own, so that it runs before any lock is tried: within one
+//     WHERE clause the server orders the conditions by their estimated cost, and put the lock
+//     call first (TestClaimLockedSkipsHeldLocks). $5 is read through a subquery, so that the
+//     generic plan's estimate does not differ from the custom plans' with the array's real
+//     length (see the lease mode's claim in store.go). It reads the materialised
 //     candidates, after their LIMIT, has no LIMIT of its own (A4), and aggregates: every
 //     candidate is tried exactly once, before any step uses the result.
 //   - r: due claims whose lock was taken are held under the token, one attempt more; the others
@@ -49,12 +53,15 @@ func claimLockedSQL(t Tables, with, cond, due, r string) string {
 	ORDER BY m."xid", m."offset"
 	LIMIT $4 - (SELECT count(*) FROM due)
 ), cand AS MATERIALIZED (
-	SELECT "offset" AS o FROM due
-	UNION ALL
-	SELECT "offset" FROM m
+	SELECT c.o FROM (
+		SELECT "offset" AS o FROM due
+		UNION ALL
+		SELECT "offset" FROM m
+	) c
+	WHERE c.o <> ALL ((SELECT $5::bigint[])::bigint[])
 ), lk AS MATERIALIZED (
 	SELECT coalesce(array_agg(o), '{}') AS os FROM cand
-	WHERE o <> ALL ((SELECT $5::bigint[])::bigint[]) AND pg_try_advisory_lock($3::int4, (o::bit(32))::int4)
+	WHERE pg_try_advisory_lock($3::int4, (o::bit(32))::int4)
 ), `+r+`, ins AS (
 	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
 	SELECT $1, m."offset",

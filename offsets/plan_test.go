@@ -410,3 +410,64 @@ func createTables(t *testing.T, ctx context.Context) (offsets.Tables, *pgxpool.P
 	}
 	return tables, pool, db
 }
+
+// TestClaimLockedSkipsHeldLocks checks that the advisory claim never takes again a lock its
+// session holds already (its $5): session locks are re-entrant, so a lock taken twice stays
+// held after the one unlock its settlement makes, for as long as the session lives. The
+// filter on $5 must run before pg_try_advisory_lock, and the server orders the conditions of
+// one WHERE clause by its own cost estimates: the generic plan put the lock call first. The
+// statement runs here under both plan modes.
+func TestClaimLockedSkipsHeldLocks(t *testing.T) {
+	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+		t.Run(mode, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			tables, _, db := createTables(t, ctx)
+			store := offsets.NewStore(tables, true)
+			rows := []offsets.Row{{UUID: "a", Metadata: "{}"}, {UUID: "b", Metadata: "{}"}, {UUID: "c", Metadata: "{}"}}
+			if err := store.Insert(ctx, db, rows, ""); err != nil {
+				t.Fatal(err)
+			}
+			conn, err := pgx.Connect(ctx, testdb.URL())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close(context.Background())
+			if _, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode); err != nil {
+				t.Fatal(err)
+			}
+			q := dbx.PgxConn(conn)
+			gid, err := store.EnsureGroup(ctx, q, "g", false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			const key1 = 0x4C0000AA
+			var first int64
+			if err := conn.QueryRow(ctx, `SELECT min("offset") FROM `+tables.Messages).Scan(&first); err != nil {
+				t.Fatal(err)
+			}
+			var ok bool
+			if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1::int4, $2::int4)", key1, first).Scan(&ok); err != nil || !ok {
+				t.Fatalf("lock of the first message: %v %v", ok, err)
+			}
+			cs, err := store.ClaimLocked(ctx, q, gid, 1<<61, 3, key1, []int64{first}, false, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(cs) != 2 {
+				t.Fatalf("claimed %d messages, want the 2 whose locks were free", len(cs))
+			}
+			// One unlock for the one lock taken by hand; a second one finds nothing to drop.
+			var again bool
+			if err := conn.QueryRow(ctx, "SELECT pg_advisory_unlock($1::int4, $2::int4), pg_advisory_unlock($1::int4, $2::int4)", key1, first).Scan(&ok, &again); err != nil {
+				t.Fatal(err)
+			}
+			if !ok || again {
+				t.Errorf("the claim took the held lock of offset %d again (unlocks: %v, %v)", first, ok, again)
+			}
+			if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock_all()"); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
