@@ -387,6 +387,13 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 	}
 	byGen := map[uint64][]int64{}
 	for _, st := range these {
+		byGen[st.d.gen] = append(byGen[st.d.gen], st.d.offset)
+	}
+	for gen, offs := range byGen {
+		a.unlock(offs, gen)
+	}
+	// Counted once the locks are dropped: Stats never shows a settlement whose lock is held.
+	for _, st := range these {
 		if done[st.d.offset] {
 			if op == "ack" {
 				sub.s.stats.acked.Add(1)
@@ -402,12 +409,6 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 			st.d.mu.Unlock()
 			sub.logger.Error("Settlement refused", serr, watermill.LogFields{"lock_lost_before": lost})
 		}
-		byGen[st.d.gen] = append(byGen[st.d.gen], st.d.offset)
-	}
-	for gen, offs := range byGen {
-		a.unlock(offs, gen)
-	}
-	for _, st := range these {
 		sub.forget(st.d)
 		a.settling.Done()
 	}
