@@ -561,6 +561,9 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offset
 	if err != nil {
 		return nil, 0, err
 	}
+	// Known without a round trip on pgx, and asked once per connection on database/sql; 0
+	// if it cannot be had. dropUnsure needs it after the connection is gone.
+	pid, _ := conn.PID(qctx)
 	var cancelSent, connClosed atomic.Bool
 	cancelled := make(chan struct{})
 	stop := context.AfterFunc(sub.ctx, func() {
@@ -602,7 +605,7 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offset
 		pcancel()
 	}
 	if err != nil && len(claimed) > 0 {
-		sub.dropUnsure(claimed, token)
+		sub.dropUnsure(claimed, token, pid)
 		claimed = claimed[:0]
 	}
 	return claimed, token, err
@@ -610,18 +613,48 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offset
 
 // dropUnsure gives back claims whose rows arrived before their statement failed, which none
 // of them is handed out for: the connection may have been cut after the server committed
-// (a restart of the server does that), so whether they are claimed is not known. A release
-// fenced by their token makes them visible again at once if they are; if it fails too, they
-// return when their lease runs out (L5). Handing them out instead would deliver messages whose
-// claim may have been rolled back, and keeping them would hold their MaxInFlight places
-// forever: with MaxInFlight 1 the subscription stopped claiming at a restart.
-func (sub *subscription) dropUnsure(cs []offsets.Claimed, token int64) {
+// (a restart of the server does that), or before it did, since rows go out while the
+// statement still runs and its writes are made last. So it first waits, up to
+// CleanupTimeout, for the statement's backend (pid) to end, which settles whether the claim
+// committed; then a release fenced by the claim's token makes the rows visible again at once
+// if they were claimed, and matches nothing if they were not. If the backend cannot be seen
+// to end, or the release fails, the rows return when their lease runs out (L5). Handing them
+// out instead would deliver messages whose claim may have been rolled back, and keeping them
+// would hold their MaxInFlight places forever: with MaxInFlight 1 the subscription stopped
+// claiming at a restart.
+func (sub *subscription) dropUnsure(cs []offsets.Claimed, token int64, pid uint32) {
 	fs := make([]offsets.Fenced, len(cs))
 	for i, c := range cs {
 		fs[i] = offsets.Fenced{Offset: c.Offset, Token: token}
 	}
+	if pid != 0 && !sub.backendEnded(pid) {
+		sub.logger.Info("A failed claim's statement may still be running; its claims return when their lease runs out", watermill.LogFields{"count": len(fs), "backend_pid": pid})
+		return
+	}
 	if n, ok := sub.releaseLeased(fs, "Releasing the claims of a failed claim statement failed"); ok && n > 0 {
 		sub.markDue(time.Now())
+	}
+}
+
+// backendEnded waits up to CleanupTimeout for the server process pid to be gone, and says
+// whether it saw it go. (A new backend given the same pid meanwhile only makes it wait.)
+func (sub *subscription) backendEnded(pid uint32) bool {
+	ctx, cancel := dbx.CleanupContext(sub.ctx)
+	defer cancel()
+	for {
+		var alive bool
+		err := dbx.QueryRow(ctx, sub.s.db, "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", []any{int64(pid)}, &alive)
+		if err != nil {
+			return false
+		}
+		if !alive {
+			return true
+		}
+		select {
+		case <-time.After(10 * time.Millisecond):
+		case <-ctx.Done():
+			return false
+		}
 	}
 }
 
