@@ -386,14 +386,18 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 		return these // apply refuses them once their lock is gone
 	}
 	byGen := map[uint64][]int64{}
-	for _, st := range these {
+	lostBefore := make([]bool, len(these)) // read before the unlock, which may lose the connection
+	for i, st := range these {
 		byGen[st.d.gen] = append(byGen[st.d.gen], st.d.offset)
+		st.d.mu.Lock()
+		lostBefore[i] = st.d.lost
+		st.d.mu.Unlock()
 	}
 	for gen, offs := range byGen {
 		a.unlock(offs, gen)
 	}
 	// Counted once the locks are dropped: Stats never shows a settlement whose lock is held.
-	for _, st := range these {
+	for i, st := range these {
 		if done[st.d.offset] {
 			if op == "ack" {
 				sub.s.stats.acked.Add(1)
@@ -404,10 +408,7 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 			// The row no longer carries this delivery's token although its lock was held.
 			sub.s.stats.stale.Add(1)
 			serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: st.d.offset, Op: op}
-			st.d.mu.Lock()
-			lost := st.d.lost
-			st.d.mu.Unlock()
-			sub.logger.Error("Settlement refused", serr, watermill.LogFields{"lock_lost_before": lost})
+			sub.logger.Error("Settlement refused", serr, watermill.LogFields{"lock_lost_before": lostBefore[i]})
 		}
 		sub.forget(st.d)
 		a.settling.Done()
