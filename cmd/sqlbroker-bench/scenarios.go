@@ -148,7 +148,7 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 	res.cpu = cpuBetween(before, snapCPU(ctx, b.admin, e.c.appName()))
 	if prof != nil {
 		b.mu.Lock()
-		b.traces = append(b.traces, prof.finish(ctx, r.profile, res.handled))
+		b.traces = append(b.traces, prof.finish(ctx, r.profile, res.handled, res.elapsed))
 		b.mu.Unlock()
 	}
 
@@ -462,6 +462,7 @@ func scenarioPublish(ctx context.Context, b *bench, c contender) error {
 	var prof *serverProfile
 	if b.cfg.serverProfile {
 		prof = startServerProfile(ctx, b.admin, c.appName(), 100*time.Millisecond)
+		defer prof.halt() // when the loop below ends early
 	}
 	start := time.Now()
 	for i := 0; i < len(msgs); i += 100 {
@@ -472,9 +473,10 @@ func scenarioPublish(ctx context.Context, b *bench, c contender) error {
 			return fmt.Errorf("publish batch at %d: %w", i, err)
 		}
 	}
-	b.results.set("5a", c, rate(int64(len(msgs)), time.Since(start)))
+	batched := time.Since(start)
+	b.results.set("5a", c, rate(int64(len(msgs)), batched))
 	if prof != nil {
-		t := prof.finish(ctx, fmt.Sprintf("%s, scenario 5a, %d messages in batches of 100", c, len(msgs)), int64(len(msgs)))
+		t := prof.finish(ctx, fmt.Sprintf("%s, scenario 5a, %d messages in batches of 100", c, len(msgs)), int64(len(msgs)), batched)
 		b.mu.Lock()
 		b.traces = append(b.traces, t)
 		b.mu.Unlock()

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -23,6 +24,7 @@ type serverProfile struct {
 	app   string
 	stop  chan struct{}
 	done  chan struct{}
+	once  sync.Once
 
 	mu      sync.Mutex
 	samples int
@@ -45,7 +47,7 @@ type serverCounters struct {
 	checkpointsTimed, checkpointsReq             int64
 	buffersCheckpoint, buffersClean, buffersBack int64
 	walBytes, walBuffersFull                     int64
-	ok                                           bool
+	err                                          error // the view's columns differ (PostgreSQL 17 moved some), or it is missing
 }
 
 func readServerCounters(ctx context.Context, admin *pgxpool.Pool) serverCounters {
@@ -54,7 +56,7 @@ func readServerCounters(ctx context.Context, admin *pgxpool.Pool) serverCounters
 		b.buffers_clean, b.buffers_backend, w.wal_bytes::bigint, w.wal_buffers_full
 		FROM pg_stat_bgwriter b, pg_stat_wal w`).Scan(&c.checkpointsTimed, &c.checkpointsReq,
 		&c.buffersCheckpoint, &c.buffersClean, &c.buffersBack, &c.walBytes, &c.walBuffersFull)
-	c.ok = err == nil
+	c.err = err
 	return c
 }
 
@@ -173,17 +175,22 @@ func cpuGroup(who string) string {
 	return who
 }
 
-// finish stops the sampling and returns the profile of n messages as Markdown.
-func (p *serverProfile) finish(ctx context.Context, title string, n int64) string {
-	elapsed := time.Since(p.start)
-	self := selfCPU() - p.self
-	close(p.stop)
+// halt stops the sampling; finish calls it, and a scenario that ends early calls it alone.
+func (p *serverProfile) halt() {
+	p.once.Do(func() { close(p.stop) })
 	<-p.done
+}
+
+// finish stops the sampling and returns the profile of n messages handled in elapsed (the
+// scenario's own timing) as Markdown.
+func (p *serverProfile) finish(ctx context.Context, title string, n int64, elapsed time.Duration) string {
+	self := selfCPU() - p.self
+	p.halt()
 	after := readServerCounters(ctx, p.admin)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var b strings.Builder
-	fmt.Fprintf(&b, "Server profile, %s (%d samples of pg_stat_activity over %.1fs; a share is the mean number of processes in that state):\n\n",
+	fmt.Fprintf(&b, "Server profile, %s (%d samples of pg_stat_activity over %.1fs; a share is the mean number of processes in that state; a background process counts only while it waits on I/O or a lock, its CPU time is in the /proc line):\n\n",
 		title, p.samples, elapsed.Seconds())
 	type kv struct {
 		k profKey
@@ -231,7 +238,9 @@ func (p *serverProfile) finish(ctx context.Context, title string, n int64) strin
 		}
 		b.WriteString("\n")
 	}
-	if p.before.ok && after.ok {
+	if err := errors.Join(p.before.err, after.err); err != nil {
+		fmt.Fprintf(&b, "\nWhole server meanwhile: not read (%v).\n", err)
+	} else {
 		d := func(a, c int64) int64 { return c - a }
 		fmt.Fprintf(&b, "\nWhole server meanwhile: checkpoints %d timed + %d requested; buffers written by checkpoints %d, by the background writer %d, by backends %d; WAL %.0f MiB, WAL buffers full %d times.\n",
 			d(p.before.checkpointsTimed, after.checkpointsTimed), d(p.before.checkpointsReq, after.checkpointsReq),
