@@ -637,21 +637,24 @@ func (sub *subscription) dropUnsure(cs []offsets.Claimed, token int64, pid uint3
 }
 
 // backendEnded waits up to CleanupTimeout for the server process pid to be gone, and says
-// whether it saw it go. (A new backend given the same pid meanwhile only makes it wait.)
+// whether it saw it go. A failed look is tried again: after a restart the server is back
+// within that time, without the process. (A new backend given the same pid meanwhile only
+// makes it wait.)
 func (sub *subscription) backendEnded(pid uint32) bool {
 	ctx, cancel := dbx.CleanupContext(sub.ctx)
 	defer cancel()
 	for {
 		var alive bool
 		err := dbx.QueryRow(ctx, sub.s.db, "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", []any{int64(pid)}, &alive)
-		if err != nil {
-			return false
-		}
-		if !alive {
+		if err == nil && !alive {
 			return true
 		}
+		pause := 10 * time.Millisecond
+		if err != nil {
+			pause = 100 * time.Millisecond // the server may be restarting
+		}
 		select {
-		case <-time.After(10 * time.Millisecond):
+		case <-time.After(pause):
 		case <-ctx.Done():
 			return false
 		}
