@@ -94,7 +94,6 @@ func (p *cutProxy) accept() {
 // message is a type byte and a length), and stops after a DataRow if the proxy is armed.
 func (p *cutProxy) forward(client, server net.Conn) {
 	head := make([]byte, 5)
-	var body []byte
 	for {
 		if _, err := io.ReadFull(server, head); err != nil {
 			return
@@ -103,11 +102,12 @@ func (p *cutProxy) forward(client, server net.Conn) {
 		if n < 0 {
 			return
 		}
-		body = append(body[:0], make([]byte, n)...)
-		if _, err := io.ReadFull(server, body); err != nil {
+		msg := make([]byte, 5+n)
+		copy(msg, head)
+		if _, err := io.ReadFull(server, msg[5:]); err != nil {
 			return
 		}
-		if _, err := client.Write(append(head, body...)); err != nil {
+		if _, err := client.Write(msg); err != nil {
 			return
 		}
 		if head[0] == 'D' && p.armed.CompareAndSwap(true, false) {

@@ -623,10 +623,7 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offset
 // would hold their MaxInFlight places forever: with MaxInFlight 1 the subscription stopped
 // claiming at a restart.
 func (sub *subscription) dropUnsure(cs []offsets.Claimed, token int64, pid uint32) {
-	fs := make([]offsets.Fenced, len(cs))
-	for i, c := range cs {
-		fs[i] = offsets.Fenced{Offset: c.Offset, Token: token}
-	}
+	fs := offsets.Fence(cs, token)
 	if pid != 0 && !sub.backendEnded(pid) {
 		sub.logger.Info("A failed claim's statement may still be running; its claims return when their lease runs out", watermill.LogFields{"count": len(fs), "backend_pid": pid})
 		return

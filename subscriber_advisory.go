@@ -268,11 +268,7 @@ func (a *advisoryState) giveBackNow(cs []offsets.Claimed, token int64, gen uint6
 	if len(cs) == 0 {
 		return
 	}
-	fs := make([]offsets.Fenced, len(cs))
-	for i, c := range cs {
-		fs[i] = offsets.Fenced{Offset: c.Offset, Token: token}
-	}
-	a.releaseGen(fs, gen)
+	a.releaseGen(offsets.Fence(cs, token), gen)
 }
 
 // release gives back claims of the round being handed out that never reached a handler, then

@@ -236,7 +236,7 @@ func TestSettlePlansStayFlat(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if done, err := store.Ack(ctx, db, gid, fenced(cs, token)); err != nil || len(done) != 100 {
+		if done, err := store.Ack(ctx, db, gid, offsets.Fence(cs, token)); err != nil || len(done) != 100 {
 			t.Fatalf("ack: %d of 100 applied, %v", len(done), err)
 		}
 	}
@@ -265,7 +265,7 @@ func TestSettlePlansStayFlat(t *testing.T) {
 			t.Fatalf("claim, round %d: %d claimed, %v", round, len(cs), err)
 		}
 		check("claim of new messages", round)
-		fs := fenced(cs, token)
+		fs := offsets.Fence(cs, token)
 		type op struct {
 			name string
 			run  func([]offsets.Fenced) (map[int64]bool, error)
@@ -336,7 +336,7 @@ func TestClaimsKeepGenericPlans(t *testing.T) {
 			if err != nil || len(cs) != batch {
 				t.Fatalf("lease claim (due %v), round %d: %d claimed, %v", due, round, len(cs), err)
 			}
-			fs := fenced(cs, token)
+			fs := offsets.Fence(cs, token)
 			if _, err := store.Extend(ctx, q, lease, fs, time.Minute); err != nil {
 				t.Fatal(err)
 			}
@@ -350,7 +350,7 @@ func TestClaimsKeepGenericPlans(t *testing.T) {
 			if _, err := store.HeldAfter(ctx, q, advisory, 0, []int64{1}, 256); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := store.Ack(ctx, q, advisory, fenced(cs, token)); err != nil {
+			if _, err := store.Ack(ctx, q, advisory, offsets.Fence(cs, token)); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -387,15 +387,6 @@ func TestClaimsKeepGenericPlans(t *testing.T) {
 	if seen != 7 {
 		t.Errorf("saw %d statements run at least six times, want 7", seen)
 	}
-}
-
-// fenced returns the claims cs as claimed under token.
-func fenced(cs []offsets.Claimed, token int64) []offsets.Fenced {
-	fs := make([]offsets.Fenced, len(cs))
-	for i, c := range cs {
-		fs[i] = offsets.Fenced{Offset: c.Offset, Token: token}
-	}
-	return fs
 }
 
 // createTables creates the tables of a new topic and returns them with the pool they were

@@ -291,6 +291,16 @@ type Fenced struct {
 	Token  int64
 }
 
+// Fence returns the claims cs as claimed under token, for the statements that settle or give
+// them back.
+func Fence(cs []Claimed, token int64) []Fenced {
+	fs := make([]Fenced, len(cs))
+	for i, c := range cs {
+		fs[i] = Fenced{Offset: c.Offset, Token: token}
+	}
+	return fs
+}
+
 func split(fs []Fenced) ([]int64, []int64) {
 	offs := make([]int64, len(fs))
 	toks := make([]int64, len(fs))

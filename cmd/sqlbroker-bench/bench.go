@@ -88,6 +88,13 @@ func (b *bench) cleanup() {
 	b.admin.Close()
 }
 
+// addTrace keeps a table (SQL timings, a server profile) to print after the results.
+func (b *bench) addTrace(t string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.traces = append(b.traces, t)
+}
+
 func (b *bench) logf(format string, args ...any) {
 	if b.cfg.verbose {
 		fmt.Fprintf(os.Stderr, time.Now().Format("15:04:05 ")+format+"\n", args...)
@@ -169,9 +176,7 @@ func (b *bench) runScenarios(ctx context.Context) error {
 			}
 			if b.cfg.traceSQL {
 				if t := sqlTracer.report(c.appName(), fmt.Sprintf("%s, scenario %d", c, id), time.Since(start)); t != "" {
-					b.mu.Lock()
-					b.traces = append(b.traces, t)
-					b.mu.Unlock()
+					b.addTrace(t)
 				}
 			}
 		}

@@ -147,9 +147,7 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 	}
 	res.cpu = cpuBetween(before, snapCPU(ctx, b.admin, e.c.appName()))
 	if prof != nil {
-		b.mu.Lock()
-		b.traces = append(b.traces, prof.finish(ctx, r.profile, res.handled, res.elapsed))
-		b.mu.Unlock()
+		b.addTrace(prof.finish(ctx, r.profile, res.handled, res.elapsed))
 	}
 
 	_ = router.Close()
@@ -476,10 +474,7 @@ func scenarioPublish(ctx context.Context, b *bench, c contender) error {
 	batched := time.Since(start)
 	b.results.set("5a", c, rate(int64(len(msgs)), batched))
 	if prof != nil {
-		t := prof.finish(ctx, fmt.Sprintf("%s, scenario 5a, %d messages in batches of 100", c, len(msgs)), int64(len(msgs)), batched)
-		b.mu.Lock()
-		b.traces = append(b.traces, t)
-		b.mu.Unlock()
+		b.addTrace(prof.finish(ctx, fmt.Sprintf("%s, scenario 5a, %d messages in batches of 100", c, len(msgs)), int64(len(msgs)), batched))
 	}
 	b.dropTopic(c, topic)
 

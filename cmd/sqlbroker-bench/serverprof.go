@@ -28,6 +28,7 @@ type serverProfile struct {
 
 	mu      sync.Mutex
 	samples int
+	failed  []error // samples that could not be read
 	states  map[profKey]int
 	cpu     map[int]*procSpan // by pid
 	before  serverCounters
@@ -90,6 +91,7 @@ func (p *serverProfile) sample(ctx context.Context) {
 		coalesce(state, ''), coalesce(wait_event_type, ''), coalesce(wait_event, ''), left(coalesce(query, ''), 200)
 		FROM pg_stat_activity WHERE pid <> pg_backend_pid()`)
 	if err != nil {
+		p.fail(err)
 		return
 	}
 	defer rows.Close()
@@ -100,11 +102,14 @@ func (p *serverProfile) sample(ctx context.Context) {
 	var rs []row
 	for rows.Next() {
 		var r row
-		if rows.Scan(&r.pid, &r.btype, &r.app, &r.state, &r.wtype, &r.wev, &r.query) == nil {
-			rs = append(rs, r)
+		if err := rows.Scan(&r.pid, &r.btype, &r.app, &r.state, &r.wtype, &r.wev, &r.query); err != nil {
+			p.fail(err)
+			return
 		}
+		rs = append(rs, r)
 	}
-	if rows.Err() != nil {
+	if err := rows.Err(); err != nil {
+		p.fail(err)
 		return
 	}
 	p.mu.Lock()
@@ -139,6 +144,13 @@ func (p *serverProfile) sample(ctx context.Context) {
 	}
 }
 
+// fail records a sample that could not be read; the profile says how many there were.
+func (p *serverProfile) fail(err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.failed = append(p.failed, err)
+}
+
 // classify names a process for the profile; "" leaves it out (the bench's own admin
 // connections, and other clients' backends, which are not part of the run).
 func (p *serverProfile) classify(btype, app, query string) string {
@@ -148,20 +160,15 @@ func (p *serverProfile) classify(btype, app, query string) string {
 	case btype == "client backend":
 		return ""
 	case btype == "autovacuum worker":
-		// "autovacuum: VACUUM ANALYZE public.bench_..._messages (to prevent wraparound)"
-		q := strings.TrimPrefix(query, "autovacuum: ")
-		if i := strings.LastIndexByte(q, '_'); i >= 0 {
-			if j := strings.LastIndexByte(q[:i], ' '); j >= 0 {
-				// keep the operation and the table's last name part: "VACUUM ..._messages"
-				op := strings.TrimSpace(q[:j])
-				tail := q[i:]
-				if k := strings.IndexByte(tail, ' '); k >= 0 {
-					tail = tail[:k]
-				}
-				return "autovacuum " + op + " …" + tail
+		// "autovacuum: VACUUM ANALYZE public.bench_..._messages (to prevent wraparound)" becomes
+		// "autovacuum VACUUM ANALYZE …_messages": the operation and the table's kind.
+		words := strings.Fields(strings.TrimPrefix(query, "autovacuum: "))
+		for i, w := range words {
+			if strings.Contains(w, ".") { // the schema-qualified table
+				return "autovacuum " + strings.Join(words[:i], " ") + " …" + w[max(strings.LastIndexByte(w, '_'), 0):]
 			}
 		}
-		return "autovacuum " + q
+		return "autovacuum " + strings.Join(words, " ")
 	default:
 		return btype
 	}
@@ -192,6 +199,9 @@ func (p *serverProfile) finish(ctx context.Context, title string, n int64, elaps
 	var b strings.Builder
 	fmt.Fprintf(&b, "Server profile, %s (%d samples of pg_stat_activity over %.1fs; a share is the mean number of processes in that state; a background process counts only while it waits on I/O or a lock, its CPU time is in the /proc line):\n\n",
 		title, p.samples, elapsed.Seconds())
+	if len(p.failed) > 0 {
+		fmt.Fprintf(&b, "%d samples could not be read and are left out (first: %v).\n\n", len(p.failed), p.failed[0])
+	}
 	type kv struct {
 		k profKey
 		n int
