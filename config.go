@@ -168,17 +168,18 @@ type SubscriberConfig struct {
 	// already committed, instead of at the oldest message kept. Defaults to false.
 	StartAtNewest bool
 
-	// MaxInFlight bounds the messages of one subscription that are in handlers at once. In
-	// lease mode a subscription also holds up to BatchSize more claimed ahead, handed out as
-	// handler slots free (and given back at once when it stops), and acks waiting for their
-	// batched statement; in advisory mode it bounds every claim held, and so the advisory
-	// locks (A6). With 1, and one subscriber in the group, messages arrive in the commit order
-	// of their publishers, and nothing is claimed ahead. Defaults to DefaultMaxInFlight.
+	// MaxInFlight bounds the messages of one subscription that are in handlers at once. A
+	// subscription also holds up to BatchSize more claimed ahead, handed out as handler slots
+	// free (and given back at once when it stops), and acks waiting for their batched
+	// statement. In advisory mode each of those claims holds a lock: a subscription holds at
+	// most MaxInFlight + BatchSize advisory locks (A6). With 1, and one subscriber in the
+	// group, messages arrive in the commit order of their publishers, and nothing is claimed
+	// ahead. Defaults to DefaultMaxInFlight.
 	MaxInFlight int
 
-	// BatchSize bounds the messages claimed in one round trip; in lease mode (with
-	// MaxInFlight above 1) it is also how many a subscription holds claimed ahead of its
-	// handlers. Defaults to DefaultBatchSize, and never more than MaxInFlight.
+	// BatchSize bounds the messages claimed in one round trip; with MaxInFlight above 1 it is
+	// also how many a subscription holds claimed ahead of its handlers. Defaults to
+	// DefaultBatchSize, and never more than MaxInFlight.
 	BatchSize int
 
 	// PollInterval is how long a subscription waits before it looks for messages again after

@@ -384,12 +384,14 @@ func (sub *subscription) wait(d time.Duration, wakeable bool) (goOn, woken bool)
 const firstRetryAfterWake = 5 * time.Millisecond
 
 // prefetchFor is how many claims a subscription holds beyond MaxInFlight, so that a handler
-// slot that frees is filled from memory while the next claim runs, and claims can be large.
-// None in the advisory mode, where every claim holds a lock and MaxInFlight bounds the locks
-// (A6), and none with MaxInFlight 1, where order must hold across nacks (M3): a message
-// claimed ahead would overtake one nacked before it.
+// slot that frees is filled from memory while the next claim runs, and claims can be large
+// (the consumers of a group take turns on its row: with small claims, four subscribers of
+// one group were bound by those turns). In the advisory mode every claim holds a lock, so
+// a subscription holds at most MaxInFlight + BatchSize locks (A6). None with MaxInFlight 1,
+// where order must hold across nacks (M3): a message claimed ahead would overtake one nacked
+// before it.
 func prefetchFor(c *SubscriberConfig) int {
-	if c.ClaimMode != ClaimLease || c.MaxInFlight == 1 {
+	if c.MaxInFlight == 1 {
 		return 0
 	}
 	return min(c.MaxInFlight, c.BatchSize)
@@ -714,7 +716,14 @@ func (sub *subscription) handOutLoop() {
 		}
 		d.mu.Lock()
 		d.slot = true
+		lost := d.lost
 		d.mu.Unlock()
+		if lost {
+			// Its lease ran out, or its lock went with the lock connection, while it was
+			// held ahead: the message is another consumer's to take; no handler runs it here.
+			sub.forget(d)
+			continue
+		}
 		if sub.ctx.Err() != nil {
 			sub.giveBackQueued(d)
 			return
@@ -771,12 +780,8 @@ func (sub *subscription) giveBack(ds []*delivery) {
 		sub.freeSlot(d)
 		sub.freeHeld(d)
 	}
-	sub.release(fs)
-}
-
-func (sub *subscription) release(fs []offsets.Fenced) {
 	if sub.adv != nil {
-		sub.adv.release(fs)
+		sub.adv.release(ds, fs)
 		return
 	}
 	n, ok := sub.releaseLeased(fs, "Releasing undelivered claims failed")

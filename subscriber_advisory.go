@@ -271,9 +271,22 @@ func (a *advisoryState) giveBackNow(cs []offsets.Claimed, token int64, gen uint6
 	a.releaseGen(offsets.Fence(cs, token), gen)
 }
 
-// release gives back claims of the round being handed out that never reached a handler, then
-// drops their locks (M5).
-func (a *advisoryState) release(fs []offsets.Fenced) { a.releaseGen(fs, a.roundGen) }
+// release gives back claims that never reached a handler (fs, those of ds), then drops their
+// locks (M5), each under the lock generation of the round that took it: claims held ahead
+// may come from several rounds.
+func (a *advisoryState) release(ds []*delivery, fs []offsets.Fenced) {
+	var gens []uint64
+	byGen := map[uint64][]offsets.Fenced{}
+	for i, d := range ds {
+		if _, ok := byGen[d.gen]; !ok {
+			gens = append(gens, d.gen)
+		}
+		byGen[d.gen] = append(byGen[d.gen], fs[i])
+	}
+	for _, gen := range gens {
+		a.releaseGen(byGen[gen], gen)
+	}
+}
 
 func (a *advisoryState) releaseGen(fs []offsets.Fenced, gen uint64) {
 	sub := a.sub

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/advisory"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
@@ -504,6 +505,65 @@ func TestSubscriber_M3_handlersBoundedClaimsAheadGivenBack(t *testing.T) {
 		m.Ack() // within their leases (S4)
 	}
 	testdb.Eventually(t, 10*time.Second, "the late acks", func() bool { return sub.Stats().Acked == 5 })
+}
+
+// In advisory mode the claims held ahead hold their locks too: MaxInFlight + BatchSize locks
+// at most (A6), every one of them a claim row of the subscription. Close gives back those
+// held ahead and drops their locks; Shutdown then releases the locks of those in handlers
+// (S5), so nothing stays locked.
+func TestSubscriber_A6_advisoryLocksBoundedClaimsAheadGivenBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ClaimMode: sqlbroker.ClaimAdvisoryLock, MaxInFlight: 4, BatchSize: 3})
+	payloads := make([]string, 20)
+	for i := range payloads {
+		payloads[i] = strconv.Itoa(i)
+	}
+	publish(t, pub, topic, payloads...)
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	var inHandlers []*message.Message
+	for range 4 {
+		inHandlers = append(inHandlers, receive(t, msgs, 10*time.Second))
+	}
+	claims := func() int {
+		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE visible_at = 'infinity'")
+	}
+	key1 := advisory.Key1(tables(topic).Messages, sqlbroker.DefaultConsumerGroup)
+	locks := func() int {
+		return queryInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2
+			AND classid = $1::int4::oid AND granted`, key1)
+	}
+	testdb.Eventually(t, 10*time.Second, "three claims held ahead", func() bool { return claims() == 7 })
+	noMessage(t, msgs, 300*time.Millisecond) // four in handlers: no fifth
+	assert.Equal(t, 7, claims(), "more than MaxInFlight + BatchSize claimed")
+	assert.Equal(t, 7, locks(), "a claim held without its lock, or a lock without its claim")
+	assert.Equal(t, 7, sub.Stats().LocksHeld)
+
+	// An ack frees a slot: the next message comes from the claims held ahead.
+	inHandlers[0].Ack()
+	inHandlers = append(inHandlers[1:], receive(t, msgs, 10*time.Second))
+	testdb.Eventually(t, 10*time.Second, "the ack applied", func() bool { return sub.Stats().Acked == 1 })
+	// Its place is claimed again: three ahead once more, never more.
+	testdb.Eventually(t, 10*time.Second, "three claims held ahead again", func() bool { return claims() == 7 })
+	noMessage(t, msgs, 100*time.Millisecond)
+	assert.Equal(t, 7, locks())
+
+	rep, err := sub.Shutdown(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, 4, rep.DeliveriesInWork)
+	assert.Equal(t, 3, rep.ClaimsReleased, "claims held ahead not given back")
+	assert.Equal(t, 4, rep.LocksReleased, "locks of the deliveries in work")
+	assert.Equal(t, 0, locks(), "locks left after Shutdown")
+	assert.Equal(t, 3, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token = 0 AND visible_at <= now()"))
+	for _, m := range inHandlers {
+		m.Ack() // after their locks were released: refused (S5)
+	}
+	testdb.Eventually(t, 10*time.Second, "the late acks refused", func() bool { return sub.Stats().StaleSettlements == 4 })
+	assert.EqualValues(t, 1, sub.Stats().Acked)
 }
 
 // A claim statement whose connection is cut after part of its result arrived (a restart of
