@@ -55,7 +55,7 @@ func joinErrors(errs []error) error {
 // The order, each step finishing before the next starts:
 //  1. No new Subscribe: it returns ErrClosed from now on.
 //  2. Every subscription stops claiming; claims not yet handed to a handler are given back at
-//     once, and the output channels are closed (M5).
+//     once (in advisory mode, their locks dropped), and the output channels are closed (M5).
 //  3. Settlements already made by handlers (acked or nacked) are applied.
 //  4. Lease extension stops (S2); the contexts of messages still in work are cancelled with
 //     ErrClosed as their cause.
@@ -63,7 +63,8 @@ func joinErrors(errs []error) error {
 //     delivery settles first (S4).
 //  6. Advisory mode: settlements already in flight finish, then the lock of every delivery
 //     still in work is released and the lock connections close (S5); a later settlement is
-//     refused. LocksReleased and ConnectionsClosed count exactly that (S9).
+//     refused. LocksReleased counts the locks of steps 2 and 6, ConnectionsClosed the
+//     connections closed (S9).
 //
 // Shutdown is idempotent: later and concurrent calls wait for the first one and return its
 // report and error.
@@ -100,6 +101,7 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		select {
 		case <-sub.claimDone:
 			rep.ClaimsReleased += int(sub.releasedAtStop.Load())
+			rep.LocksReleased += int(sub.unlockedAtStop.Load())
 			rep.QueriesCancelled += int(sub.queriesCancelled.Load())
 			rep.ConnectionsClosed += int(sub.connsClosed.Load())
 		case <-ctx.Done():

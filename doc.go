@@ -20,7 +20,8 @@
 //
 // Every consumer group receives every message of a topic; within a group each message is
 // worked by one consumer at a time. SubscriberConfig.MaxInFlight bounds how many of them one
-// subscription has in handlers at once; in lease mode it claims up to BatchSize more ahead.
+// subscription has in handlers at once; it claims up to BatchSize more ahead (in advisory mode
+// each with its lock).
 //
 // # Shutdown
 //

@@ -260,6 +260,7 @@ type subscription struct {
 	inWork map[int64]*delivery // claimed and not yet settled or given up
 
 	releasedAtStop   atomic.Int64 // claims given back when the subscription stopped
+	unlockedAtStop   atomic.Int64 // advisory locks of those claims dropped then
 	queriesCancelled atomic.Int64 // claim statements cancelled on the server and awaited (S3)
 	connsClosed      atomic.Int64 // connections a cancel closed (lib/pq closes them)
 
@@ -708,6 +709,10 @@ func (sub *subscription) handOutLoop() {
 			sub.giveBackQueued(d)
 			return
 		}
+		if d.isLost() {
+			sub.dropLost(d)
+			continue
+		}
 		select {
 		case sub.slots <- struct{}{}:
 		case <-sub.ctx.Done():
@@ -719,9 +724,7 @@ func (sub *subscription) handOutLoop() {
 		lost := d.lost
 		d.mu.Unlock()
 		if lost {
-			// Its lease ran out, or its lock went with the lock connection, while it was
-			// held ahead: the message is another consumer's to take; no handler runs it here.
-			sub.forget(d)
+			sub.dropLost(d)
 			continue
 		}
 		if sub.ctx.Err() != nil {
@@ -737,6 +740,21 @@ func (sub *subscription) handOutLoop() {
 			return
 		}
 	}
+}
+
+// dropLost drops a claim that lost its lease, or its lock with the lock connection, while it
+// was held ahead: no handler runs it here. Its row is due (the lease ran out) or an orphan
+// (no lock holds it): the group's next claim or orphan search takes it, this subscription's
+// included once the claim has left its work set.
+func (sub *subscription) dropLost(d *delivery) {
+	sub.logger.Debug("Claim held ahead lost before it was handed out", sub.fields(d.offset))
+	sub.forget(d)
+}
+
+func (d *delivery) isLost() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.lost
 }
 
 // giveBackQueued gives back d and every claim still queued, once the claim loop has ended.

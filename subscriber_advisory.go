@@ -146,6 +146,9 @@ func (a *advisoryState) registered(ds []*delivery) {
 // claim is the advisory claim round: orphans first, then claims due again and new messages.
 func (a *advisoryState) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
 	sub := a.sub
+	if err := sub.ctx.Err(); err != nil {
+		return buf[:0], 0, err // stopping: claim nothing only to give it back
+	}
 	token := rand.Int64N(1<<62) + 1
 	a.roundGen = 0
 	if time.Since(a.lastRescue) >= sub.cfg.PollInterval {
@@ -271,9 +274,10 @@ func (a *advisoryState) giveBackNow(cs []offsets.Claimed, token int64, gen uint6
 	a.releaseGen(offsets.Fence(cs, token), gen)
 }
 
-// release gives back claims that never reached a handler (fs, those of ds), then drops their
-// locks (M5), each under the lock generation of the round that took it: claims held ahead
-// may come from several rounds.
+// release gives back, as the subscription stops, claims that never reached a handler (fs,
+// those of ds), then drops their locks (M5), each under the lock generation of the round that
+// took it: claims held ahead may come from several rounds. What it released and unlocked is
+// counted for Shutdown's report.
 func (a *advisoryState) release(ds []*delivery, fs []offsets.Fenced) {
 	var gens []uint64
 	byGen := map[uint64][]offsets.Fenced{}
@@ -284,11 +288,15 @@ func (a *advisoryState) release(ds []*delivery, fs []offsets.Fenced) {
 		byGen[d.gen] = append(byGen[d.gen], fs[i])
 	}
 	for _, gen := range gens {
-		a.releaseGen(byGen[gen], gen)
+		released, unlocked := a.releaseGen(byGen[gen], gen)
+		a.sub.releasedAtStop.Add(int64(released))
+		a.sub.unlockedAtStop.Add(int64(unlocked))
 	}
 }
 
-func (a *advisoryState) releaseGen(fs []offsets.Fenced, gen uint64) {
+// releaseGen makes the claims fs, locked under gen, visible again at once, then drops their
+// locks; it returns how many rows it released and how many locks it dropped.
+func (a *advisoryState) releaseGen(fs []offsets.Fenced, gen uint64) (released, unlocked int) {
 	sub := a.sub
 	ctx, cancel := dbx.CleanupContext(sub.ctx)
 	done, err := sub.store.Release(ctx, sub.s.db, sub.groupID, fs)
@@ -301,21 +309,24 @@ func (a *advisoryState) releaseGen(fs []offsets.Fenced, gen uint64) {
 		sub.s.stats.errors.Add(1)
 		sub.logger.Error("Releasing undelivered claims failed; unlocking them, the group takes them over", err, watermill.LogFields{"count": len(fs)})
 	} else {
-		sub.s.stats.released.Add(int64(len(done)))
-		sub.releasedAtStop.Add(int64(len(done)))
+		released = len(done)
+		sub.s.stats.released.Add(int64(released))
 		sub.markDue(time.Now())
 	}
-	a.unlock(offs, gen)
+	return released, a.unlock(offs, gen)
 }
 
-// unlock drops locks of gen; a failure loses the connection, which frees them anyway.
-func (a *advisoryState) unlock(offs []int64, gen uint64) {
+// unlock drops locks of gen and returns how many it dropped; a failure loses the connection,
+// which frees them anyway.
+func (a *advisoryState) unlock(offs []int64, gen uint64) int {
 	if len(offs) == 0 {
-		return
+		return 0
 	}
-	if _, err := a.conn.Unlock(offs, gen); err != nil {
+	n, err := a.conn.Unlock(offs, gen)
+	if err != nil {
 		a.sub.s.stats.errors.Add(1)
 	}
+	return n
 }
 
 // await waits for the handler's ack or nack and queues it for the settle loop, unless

@@ -508,9 +508,9 @@ func TestSubscriber_M3_handlersBoundedClaimsAheadGivenBack(t *testing.T) {
 }
 
 // In advisory mode the claims held ahead hold their locks too: MaxInFlight + BatchSize locks
-// at most (A6), every one of them a claim row of the subscription. Close gives back those
-// held ahead and drops their locks; Shutdown then releases the locks of those in handlers
-// (S5), so nothing stays locked.
+// at most (A6), every one of them a claim row of the subscription. Shutdown gives back those
+// held ahead and drops their locks, then releases the locks of those in handlers (S5), so
+// nothing stays locked, and LocksReleased counts both (S9).
 func TestSubscriber_A6_advisoryLocksBoundedClaimsAheadGivenBack(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -556,7 +556,7 @@ func TestSubscriber_A6_advisoryLocksBoundedClaimsAheadGivenBack(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 4, rep.DeliveriesInWork)
 	assert.Equal(t, 3, rep.ClaimsReleased, "claims held ahead not given back")
-	assert.Equal(t, 4, rep.LocksReleased, "locks of the deliveries in work")
+	assert.Equal(t, 7, rep.LocksReleased, "the locks of the claims held ahead and of the deliveries in work")
 	assert.Equal(t, 0, locks(), "locks left after Shutdown")
 	assert.Equal(t, 3, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token = 0 AND visible_at <= now()"))
 	for _, m := range inHandlers {
@@ -564,6 +564,64 @@ func TestSubscriber_A6_advisoryLocksBoundedClaimsAheadGivenBack(t *testing.T) {
 	}
 	testdb.Eventually(t, 10*time.Second, "the late acks refused", func() bool { return sub.Stats().StaleSettlements == 4 })
 	assert.EqualValues(t, 1, sub.Stats().Acked)
+}
+
+// A3 with claims held ahead: when the lock connection dies, the claims waiting to be handed
+// out lost their locks too. None of them reaches a handler (its context would already be
+// cancelled and its ack refused); every message comes back, by the orphan search, under a new
+// lock, and nothing stays locked.
+func TestSubscriber_A3_lockLostWhileHeldAhead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ClaimMode: sqlbroker.ClaimAdvisoryLock, MaxInFlight: 2, BatchSize: 2})
+	payloads := []string{"0", "1", "2", "3", "4", "5"}
+	publish(t, pub, topic, payloads...)
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	first := []*message.Message{receive(t, msgs, 10*time.Second), receive(t, msgs, 10*time.Second)}
+	key1 := advisory.Key1(tables(topic).Messages, sqlbroker.DefaultConsumerGroup)
+	locks := func() int {
+		return queryInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2
+			AND classid = $1::int4::oid AND granted`, key1)
+	}
+	testdb.Eventually(t, 10*time.Second, "two claims held ahead", func() bool { return locks() == 4 })
+	pid := queryInt(t, `SELECT DISTINCT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2
+		AND classid = $1::int4::oid`, key1)
+	require.Equal(t, 1, queryInt(t, `SELECT count(*) FROM (SELECT pg_terminate_backend($1)) x`, pid))
+
+	for _, m := range first {
+		select {
+		case <-m.Context().Done():
+			assert.ErrorIs(t, context.Cause(m.Context()), sqlbroker.ErrLeaseLost)
+		case <-time.After(5 * time.Second):
+			t.Fatalf("message %s: context not cancelled after its lock connection died", m.Payload)
+		}
+		m.Ack() // refused: its lock is gone
+	}
+	testdb.Eventually(t, 5*time.Second, "late acks refused", func() bool { return sub.Stats().StaleSettlements == 2 })
+	assert.EqualValues(t, 4, sub.Stats().LeasesLost, "two in handlers, two held ahead")
+
+	// The four claimed before the connection died come back with attempt 2; the other two
+	// are claimed for the first time.
+	seen := map[string]string{}
+	for len(seen) < len(payloads) {
+		m := receive(t, msgs, 10*time.Second)
+		require.NoError(t, m.Context().Err(), "message %s handed out with its claim already lost", m.Payload)
+		_, dup := seen[string(m.Payload)]
+		require.False(t, dup, "message %s delivered twice after the connection died", m.Payload)
+		seen[string(m.Payload)] = m.Metadata.Get(sqlbroker.MetadataAttempt)
+		m.Ack()
+	}
+	assert.Equal(t, map[string]string{"0": "2", "1": "2", "2": "2", "3": "2", "4": "1", "5": "1"}, seen)
+	testdb.Eventually(t, 10*time.Second, "acks applied", func() bool { return sub.Stats().Acked == 6 })
+	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims))
+	rep, err := sub.Shutdown(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, 0, rep.LocksReleased)
+	assert.Equal(t, 0, locks())
 }
 
 // A claim statement whose connection is cut after part of its result arrived (a restart of
