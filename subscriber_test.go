@@ -464,26 +464,33 @@ func TestSubscriber_retentionDeletesSettledMessages(t *testing.T) {
 	testdb.Eventually(t, 10*time.Second, "the remaining messages to be pruned", func() bool { return countMessages(t, topic) == 0 })
 }
 
+// inHandlersOfBacklog publishes n messages (payloads "0", "1", ...) to a new topic, subscribes
+// to it with cfg and receives cfg.MaxInFlight of them, left unsettled as if in handlers.
+func inHandlersOfBacklog(t *testing.T, cfg sqlbroker.SubscriberConfig, n int) (string, *sqlbroker.Subscriber, <-chan *message.Message, []*message.Message) {
+	t.Helper()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	sub := newSubscriber(t, cfg)
+	payloads := make([]string, n)
+	for i := range payloads {
+		payloads[i] = strconv.Itoa(i)
+	}
+	publish(t, pub, topic, payloads...)
+	msgs, err := sub.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	var inHandlers []*message.Message
+	for range cfg.MaxInFlight {
+		inHandlers = append(inHandlers, receive(t, msgs, 10*time.Second))
+	}
+	return topic, sub, msgs, inHandlers
+}
+
 // MaxInFlight bounds the messages in handlers (M3); in lease mode up to BatchSize more are
 // claimed ahead, handed out as handler slots free, and given back at once on Close (M5).
 func TestSubscriber_M3_handlersBoundedClaimsAheadGivenBack(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	topic := testdb.Topic(t, "")
-	pub := newPublisher(t, pgxDB(t))
-	sub := newSubscriber(t, sqlbroker.SubscriberConfig{MaxInFlight: 4})
-	payloads := make([]string, 20)
-	for i := range payloads {
-		payloads[i] = strconv.Itoa(i)
-	}
-	publish(t, pub, topic, payloads...)
-	msgs, err := sub.Subscribe(ctx, topic)
-	require.NoError(t, err)
-
-	var inHandlers []*message.Message
-	for range 4 {
-		inHandlers = append(inHandlers, receive(t, msgs, 10*time.Second))
-	}
+	topic, sub, msgs, inHandlers := inHandlersOfBacklog(t, sqlbroker.SubscriberConfig{MaxInFlight: 4}, 20)
 	claims := func() int { return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims) }
 	testdb.Eventually(t, 10*time.Second, "four claims held ahead", func() bool { return claims() == 8 })
 	noMessage(t, msgs, 300*time.Millisecond) // four in handlers: no fifth
@@ -514,21 +521,8 @@ func TestSubscriber_M3_handlersBoundedClaimsAheadGivenBack(t *testing.T) {
 func TestSubscriber_A6_advisoryLocksBoundedClaimsAheadGivenBack(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	topic := testdb.Topic(t, "")
-	pub := newPublisher(t, pgxDB(t))
-	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ClaimMode: sqlbroker.ClaimAdvisoryLock, MaxInFlight: 4, BatchSize: 3})
-	payloads := make([]string, 20)
-	for i := range payloads {
-		payloads[i] = strconv.Itoa(i)
-	}
-	publish(t, pub, topic, payloads...)
-	msgs, err := sub.Subscribe(ctx, topic)
-	require.NoError(t, err)
-
-	var inHandlers []*message.Message
-	for range 4 {
-		inHandlers = append(inHandlers, receive(t, msgs, 10*time.Second))
-	}
+	cfg := sqlbroker.SubscriberConfig{ClaimMode: sqlbroker.ClaimAdvisoryLock, MaxInFlight: 4, BatchSize: 3}
+	topic, sub, msgs, inHandlers := inHandlersOfBacklog(t, cfg, 20)
 	claims := func() int {
 		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE visible_at = 'infinity'")
 	}
