@@ -631,7 +631,7 @@ func (sub *subscription) dropUnsure(cs []offsets.Claimed, token int64, pid uint3
 		sub.logger.Info("A failed claim's statement may still be running; its claims return when their lease runs out", watermill.LogFields{"count": len(fs), "backend_pid": pid})
 		return
 	}
-	if n, ok := sub.releaseLeased(fs, "Releasing the claims of a failed claim statement failed"); ok && n > 0 {
+	if n, ok := sub.releaseRows(fs, "Releasing the claims of a failed claim statement failed; they return when their lease runs out"); ok && n > 0 {
 		sub.markDue(time.Now())
 	}
 }
@@ -661,16 +661,16 @@ func (sub *subscription) backendEnded(pid uint32) bool {
 	}
 }
 
-// releaseLeased gives back lease-mode claims, fenced by their tokens, and returns how many
-// the database released. A failure is counted and logged with failed: the claims then return
-// when their lease runs out.
-func (sub *subscription) releaseLeased(fs []offsets.Fenced, failed string) (int, bool) {
+// releaseRows makes claims visible again at once, fenced by their tokens, and returns how
+// many the database released. A failure is counted and logged as failed, which says what
+// becomes of the claims then.
+func (sub *subscription) releaseRows(fs []offsets.Fenced, failed string) (int, bool) {
 	ctx, cancel := dbx.CleanupContext(sub.ctx)
 	defer cancel()
 	done, err := sub.store.Release(ctx, sub.s.db, sub.groupID, fs)
 	if err != nil {
 		sub.s.stats.errors.Add(1)
-		sub.logger.Error(failed+"; they return when their lease runs out", err, watermill.LogFields{"count": len(fs)})
+		sub.logger.Error(failed, err, watermill.LogFields{"count": len(fs)})
 		return 0, false
 	}
 	sub.s.stats.released.Add(int64(len(done)))
@@ -802,7 +802,7 @@ func (sub *subscription) giveBack(ds []*delivery) {
 		sub.adv.release(ds, fs)
 		return
 	}
-	n, ok := sub.releaseLeased(fs, "Releasing undelivered claims failed")
+	n, ok := sub.releaseRows(fs, "Releasing undelivered claims failed; they return when their lease runs out")
 	if ok {
 		sub.releasedAtStop.Add(int64(n))
 		sub.logger.Debug("Released undelivered claims", watermill.LogFields{"count": n})

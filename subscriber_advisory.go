@@ -297,21 +297,13 @@ func (a *advisoryState) release(ds []*delivery, fs []offsets.Fenced) {
 // releaseGen makes the claims fs, locked under gen, visible again at once, then drops their
 // locks; it returns how many rows it released and how many locks it dropped.
 func (a *advisoryState) releaseGen(fs []offsets.Fenced, gen uint64) (released, unlocked int) {
-	sub := a.sub
-	ctx, cancel := dbx.CleanupContext(sub.ctx)
-	done, err := sub.store.Release(ctx, sub.s.db, sub.groupID, fs)
-	cancel()
+	released, ok := a.sub.releaseRows(fs, "Releasing undelivered claims failed; unlocking them, the group takes them over")
+	if ok {
+		a.sub.markDue(time.Now())
+	}
 	offs := make([]int64, len(fs))
 	for i, f := range fs {
 		offs[i] = f.Offset
-	}
-	if err != nil {
-		sub.s.stats.errors.Add(1)
-		sub.logger.Error("Releasing undelivered claims failed; unlocking them, the group takes them over", err, watermill.LogFields{"count": len(fs)})
-	} else {
-		released = len(done)
-		sub.s.stats.released.Add(int64(released))
-		sub.markDue(time.Now())
 	}
 	return released, a.unlock(offs, gen)
 }
