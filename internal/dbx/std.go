@@ -6,6 +6,7 @@ import (
 	"database/sql/driver"
 	"errors"
 	"sync"
+	"sync/atomic"
 
 	"github.com/lib/pq"
 )
@@ -184,8 +185,16 @@ func (c *stdConn) Begin(ctx context.Context) (Tx, error) {
 }
 
 // pids remembers the backend pid of each driver connection database/sql has handed out, so
-// that asking costs one round trip per physical connection, not per use.
-var pids sync.Map // driver connection -> uint32
+// that asking costs one round trip per physical connection, not per use. database/sql does
+// not say when it closes a connection on its own (idle time, lifetime, an error elsewhere),
+// and each entry keeps its driver connection from being collected: past maxPIDs entries the
+// map starts anew, and the connections still open are asked once more.
+var (
+	pids  sync.Map // driver connection -> uint32
+	npids atomic.Int64
+)
+
+const maxPIDs = 512
 
 func (c *stdConn) PID(ctx context.Context) (uint32, error) {
 	if c.pid != 0 {
@@ -203,7 +212,10 @@ func (c *stdConn) PID(ctx context.Context) (uint32, error) {
 	}
 	c.pid = uint32(pid)
 	if key != nil {
-		pids.Store(key, c.pid)
+		if _, had := pids.LoadOrStore(key, c.pid); !had && npids.Add(1) > maxPIDs {
+			pids.Clear()
+			npids.Store(0)
+		}
 	}
 	return c.pid, nil
 }
@@ -212,7 +224,12 @@ func (c *stdConn) Release() { _ = c.c.Close() }
 
 // Destroy marks the driver connection bad so that database/sql closes it instead of pooling it.
 func (c *stdConn) Destroy() {
-	_ = c.c.Raw(func(dc any) error { pids.Delete(dc); return driver.ErrBadConn })
+	_ = c.c.Raw(func(dc any) error {
+		if _, had := pids.LoadAndDelete(dc); had {
+			npids.Add(-1)
+		}
+		return driver.ErrBadConn
+	})
 	_ = c.c.Close()
 }
 

@@ -1,0 +1,10 @@
+package dbx
+
+// PIDsRemembered counts the entries of the backend pid cache of database/sql connections.
+func PIDsRemembered() int {
+	n := 0
+	pids.Range(func(any, any) bool { n++; return true })
+	return n
+}
+
+const MaxPIDs = maxPIDs
