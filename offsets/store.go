@@ -93,28 +93,36 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	s.claimLockedSQL = claimLockedSQL(t, with, cond, dueSQL, lockedAgainSQL)
 	s.claimLockedNewSQL = claimLockedSQL(t, with, cond, noDueSQL, noneAgainSQL)
 
-	// Settlements are fenced by the token and take many claims at once. Each claim is found
-	// by its own probe of the primary key (the LATERAL subquery, which FOR UPDATE keeps from
-	// being flattened into a join), then changed by its row address: no plan can read more of
-	// the index than the keys given. Joined to the unnest directly, the server's generic plan
-	// is a bitmap scan of the group's whole key range, which reads the entry of every claim
-	// deleted since the last vacuum: a 100-claim ack read 12,600 entries (3.4 ms) while a
-	// backlog drained. FOR UPDATE re-reads a claim changed by a concurrent transaction, so the
-	// token is checked against its latest version (L3).
+	// Settlements are fenced by the claim's key and token and take many claims at once.
+	//  - k finds each claim by its own probe of the primary key (the LATERAL subquery, which
+	//    FOR UPDATE keeps from being flattened into a join), so that no plan, the server's
+	//    generic one included, reads more of the index than the keys given. Joined to the
+	//    arrays directly, the generic plan was a bitmap scan of the group's whole key range,
+	//    which reads the entry of every claim deleted since the last vacuum: a 100-claim ack
+	//    read 12,600 entries (3.4 ms) while a backlog drained (TestSettlePlansStayFlat). FOR
+	//    UPDATE locks the claim's newest version and checks the key and token on it (L3): k
+	//    holds exactly the claims that are still this delivery's.
+	//  - d changes those claims by row address. A claim that a concurrent statement (an
+	//    extension of the same lease) changed after this statement's snapshot was taken is
+	//    locked by k in its newer version, which d cannot see: it is returned as fenced but
+	//    not applied, and settle runs the statement again for it (L3: a refusal means only
+	//    that the claim is no longer the delivery's).
 	settle := func(stmt string) string {
 		head := with
 		if !asyncCommit {
 			head = "WITH "
 		}
 		return head + fmt.Sprintf(`k AS (
-	SELECT x.ctid AS t FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token"),
-	LATERAL (SELECT c.ctid FROM %[1]s c
+	SELECT x.t, a."offset" AS o FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token"),
+	LATERAL (SELECT c.ctid AS t FROM %[1]s c
 		WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
 		FOR UPDATE) x
-)
+), d AS (
 `+stmt+`
 WHERE c.ctid = ANY (ARRAY(SELECT t FROM k))`+cond+`
-RETURNING c."offset"`, t.Claims)
+RETURNING c."offset"
+)
+SELECT k.o, EXISTS (SELECT 1 FROM d WHERE d."offset" = k.o) FROM k`, t.Claims)
 	}
 	s.ackSQL = settle(`DELETE FROM %[1]s c`)
 
@@ -310,39 +318,103 @@ func split(fs []Fenced) ([]int64, []int64) {
 	return offs, toks
 }
 
-func applied(rows dbx.Rows, err error) (map[int64]bool, error) {
-	offs, err := dbx.ScanInt64s(rows, err)
-	done := make(map[int64]bool, len(offs))
-	for _, off := range offs {
-		done[off] = true
+// ErrSettleRaced says that some claims of a settlement met concurrent changes of their rows
+// on every try: neither applied nor refused, they may be settled again. It is returned only
+// when the settlement cannot run in a transaction of its own (q is not a dbx.Beginner).
+var ErrSettleRaced = errors.New("offsets: claims changed concurrently on every try; not settled")
+
+// settleTries bounds the runs of one settlement statement for claims whose rows a concurrent
+// statement changed after the statement's snapshot (see NewStore). One more run settles them
+// unless the row changed yet again in the few microseconds between the two.
+const settleTries = 3
+
+// settle runs a settlement statement (sql, with args after the group, offsets and tokens)
+// for the fenced claims fs and returns the offsets it applied. Claims it does not return
+// were refused: their token no longer matches. Claims whose fence held on their newest row
+// version but that the statement could not change are run again, up to settleTries times,
+// then in a transaction in which the statement's row locks keep them from changing until
+// its second run has applied them.
+func (s *Store) settle(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, args ...any) (map[int64]bool, error) {
+	done := make(map[int64]bool, len(fs))
+	var err error
+	for range settleTries {
+		if fs, err = s.settleOnce(ctx, q, sql, groupID, fs, done, args); err != nil || len(fs) == 0 {
+			return done, err
+		}
 	}
+	b, ok := q.(dbx.Beginner)
+	if !ok {
+		return done, ErrSettleRaced
+	}
+	err = dbx.InTx(ctx, b, func(tx dbx.Tx) error {
+		for range 2 {
+			var err error
+			if fs, err = s.settleOnce(ctx, tx, sql, groupID, fs, done, args); err != nil || len(fs) == 0 {
+				return err
+			}
+		}
+		return ErrSettleRaced // the locks of the first run make this impossible
+	})
 	return done, err
+}
+
+// settleOnce runs sql once for fs, adds the offsets it applied to done, and returns the claims
+// whose fence held but that were not applied.
+func (s *Store) settleOnce(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, done map[int64]bool, args []any) ([]Fenced, error) {
+	offs, toks := split(fs)
+	rows, err := q.Query(ctx, sql, append([]any{groupID, offs, toks}, args...)...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var again map[int64]bool
+	for rows.Next() {
+		var off int64
+		var ok bool
+		if err := rows.Scan(&off, &ok); err != nil {
+			return nil, err
+		}
+		if ok {
+			done[off] = true
+		} else {
+			if again == nil {
+				again = map[int64]bool{}
+			}
+			again[off] = true
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	var next []Fenced
+	for _, f := range fs {
+		if again[f.Offset] {
+			next = append(next, f)
+		}
+	}
+	return next, nil
 }
 
 // Ack deletes the claims whose token still matches and returns the offsets it deleted; the
 // others were stale (L3).
 func (s *Store) Ack(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced) (map[int64]bool, error) {
-	offs, toks := split(fs)
-	return applied(q.Query(ctx, s.ackSQL, groupID, offs, toks))
+	return s.settle(ctx, q, s.ackSQL, groupID, fs)
 }
 
 // Nack makes the claims visible again after backoff; the attempt count stays.
 func (s *Store) Nack(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, backoff time.Duration) (map[int64]bool, error) {
-	offs, toks := split(fs)
-	return applied(q.Query(ctx, s.nackSQL, groupID, offs, toks, ms(backoff)))
+	return s.settle(ctx, q, s.nackSQL, groupID, fs, ms(backoff))
 }
 
 // Release makes claims that never reached a handler visible again at once.
 func (s *Store) Release(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced) (map[int64]bool, error) {
-	offs, toks := split(fs)
-	return applied(q.Query(ctx, s.releaseSQL, groupID, offs, toks))
+	return s.settle(ctx, q, s.releaseSQL, groupID, fs)
 }
 
 // Extend moves the lease deadline of the claims to now()+ttl and returns the offsets it
 // extended; a claim missing from the result has lost its lease (L4).
 func (s *Store) Extend(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, ttl time.Duration) (map[int64]bool, error) {
-	offs, toks := split(fs)
-	return applied(q.Query(ctx, s.extendSQL, groupID, offs, toks, ms(ttl)))
+	return s.settle(ctx, q, s.extendSQL, groupID, fs, ms(ttl))
 }
 
 // HeldBack counts (up to 1000) messages after the group's position that are committed or in

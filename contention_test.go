@@ -1,0 +1,81 @@
+package sqlbroker_test
+
+import (
+	"context"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+)
+
+// An ack that races its own lease's extension is applied (L3): the extension loop runs every
+// 20 ms while handlers ack after 0-60 ms, so many acks meet an extension of the same claim
+// row. A settlement is refused only when the claim is no longer the delivery's, which never
+// happens here: 0 stale settlements, 0 leases lost, every message delivered exactly once.
+func TestSubscriber_L3_ackRacingExtensionIsApplied(t *testing.T) {
+	t.Parallel()
+	const n = 10000
+	for _, mode := range []sqlbroker.ClaimMode{sqlbroker.ClaimLease, sqlbroker.ClaimAdvisoryLock} {
+		t.Run(mode.String(), func(t *testing.T) {
+			ctx := context.Background()
+			topic := testdb.Topic(t, "")
+			pub := newPublisher(t, pgxDB(t))
+			msgs := make([]*message.Message, n)
+			for i := range msgs {
+				msgs[i] = message.NewMessage(watermill.NewUUID(), []byte("x"))
+			}
+			require.NoError(t, pub.Publish(topic, msgs...))
+
+			sub := newSubscriber(t, sqlbroker.SubscriberConfig{
+				ClaimMode:          mode,
+				LeaseTTL:           5 * time.Second,
+				LeaseRenewInterval: 20 * time.Millisecond,
+				MaxInFlight:        256,
+			})
+			out, err := sub.Subscribe(ctx, topic)
+			require.NoError(t, err)
+
+			var mu sync.Mutex
+			seen := make(map[string]int, n)
+			var wg sync.WaitGroup
+			for range n {
+				m := receive(t, out, 30*time.Second)
+				mu.Lock()
+				seen[m.UUID]++
+				mu.Unlock()
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					time.Sleep(time.Duration(rand.IntN(60)) * time.Millisecond) // the handler's work
+					m.Ack()
+				}()
+			}
+			wg.Wait()
+			testdb.Eventually(t, 30*time.Second, "every ack settled", func() bool {
+				st := sub.Stats()
+				return st.Acked+st.StaleSettlements == n
+			})
+			noMessage(t, out, 200*time.Millisecond)
+
+			st := sub.Stats()
+			assert.Equal(t, int64(0), st.StaleSettlements, "valid acks refused as stale")
+			assert.Equal(t, int64(0), st.LeasesLost)
+			assert.Equal(t, int64(n), st.Acked)
+			dups := 0
+			for _, c := range seen {
+				dups += c - 1
+			}
+			assert.Equal(t, n, len(seen))
+			assert.Equal(t, 0, dups, "messages delivered more than once")
+			assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims), "claims left")
+		})
+	}
+}
