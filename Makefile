@@ -13,6 +13,7 @@ test: test-race test-universal test-reconnect
 # chaos-totals.txt, printed here: go test shows nothing else of a passing package.
 test-race:
 	go vet ./...
+	go -C cmd/sqlbroker-bench vet ./...
 	rm -f chaos-totals.txt
 	SQLBROKER_CHAOS_TOTALS=$(CURDIR)/chaos-totals.txt go test -race -count=1 -p 1 -timeout 20m -skip 'TestUniversal_' ./...; \
 		status=$$?; cat chaos-totals.txt 2>/dev/null; exit $$status

@@ -3,7 +3,10 @@
 // settings) on one PostgreSQL, in one run, and prints every figure with its ratio to
 // watermill-sql's figure from the same run. On a noisy machine only such ratios hold.
 //
-//	go run ./cmd/sqlbroker-bench -quick -svg docs/bench.svg
+// It is a module of its own, so that watermill-sql is a dependency of the benchmark only and
+// never of the library's users. From the repository's root:
+//
+//	go -C cmd/sqlbroker-bench run . -quick -svg ../../docs/bench.svg
 //
 // Scenarios (select with -scenarios, by number or name):
 //
