@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -253,4 +254,57 @@ func TestRouterHook_S12_reportSameByCloseAndCancel(t *testing.T) {
 	c, k := reports["close"], reports["cancel"]
 	assert.Equal(t, [4]int{c.Subscriptions, c.ClaimsReleased, c.LocksReleased, c.ConnectionsClosed}, [4]int{k.Subscriptions, k.ClaimsReleased, k.LocksReleased, k.ConnectionsClosed},
 		"router.Close() and Run's ctx cancelled report differently")
+}
+
+// fakeOwner is a Shutdowner of a user's own.
+type fakeOwner struct {
+	mu    sync.Mutex
+	calls int
+}
+
+func (f *fakeOwner) Shutdown(context.Context) (sqlbroker.CloseReport, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.calls++
+	return sqlbroker.CloseReport{Subscriptions: 7}, nil
+}
+
+func (f *fakeOwner) shutdowns() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.calls
+}
+
+// A Shutdowner of one's own can own the hook: a handler stopped alone does not shut it down,
+// the Router's closing does, once (S12).
+func TestRouterHook_S12_ownShutdowner(t *testing.T) {
+	t.Parallel()
+	owner := &fakeOwner{}
+	hook := sqlbroker.NewRouterHook(owner, sqlbroker.RouterHookConfig{CloseTimeout: 5 * time.Second})
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	router.AddPlugin(hook.Plugin)
+	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	defer ps.Close()
+	a := router.AddNoPublisherHandler("a", "a", ps, func(*message.Message) error { return nil })
+	router.AddNoPublisherHandler("b", "b", ps, func(*message.Message) error { return nil })
+	runErr := make(chan error, 1)
+	go func() { runErr <- router.Run(context.Background()) }()
+	waitClosed(t, router.Running(), 10*time.Second, "the Router running")
+
+	a.Stop()
+	waitClosed(t, a.Stopped(), 5*time.Second, "handler a stopped")
+	select {
+	case <-hook.Done():
+		t.Fatal("stopping one handler shut the owner down")
+	case <-time.After(100 * time.Millisecond):
+	}
+
+	require.NoError(t, router.Close())
+	require.NoError(t, <-runErr)
+	waitClosed(t, hook.Done(), 5*time.Second, "the owner shut down")
+	rep, err := hook.Report()
+	require.NoError(t, err)
+	assert.Equal(t, 7, rep.Subscriptions)
+	assert.Equal(t, 1, owner.shutdowns())
 }
