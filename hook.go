@@ -14,10 +14,10 @@ import (
 // it handed out, a *Subscriber, or a type of your own (a fake in a test, or a service that
 // stops more than the library).
 //
-// The hook makes the Router's subscriptions drain before the shutdown, and router.Run wait
-// for it, through the owner's subscribers: that needs an owner that is, or embeds, a *Broker
-// or a *Subscriber. With any other Shutdowner the hook runs Shutdown when the Router closes,
-// without a drain, and router.Run does not wait for it: wait on the hook's Done.
+// router.Run returns after the owner's Shutdown, whatever the owner. The handlers drain
+// before it, and the owner's subscribers stop their subscriptions only when the Router
+// closes them, if the owner is, or embeds, a *Broker or a *Subscriber; any other Shutdowner
+// is shut down when the Router closes, without a drain.
 type Shutdowner interface {
 	Shutdown(ctx context.Context) (CloseReport, error)
 }
@@ -145,14 +145,19 @@ func (hs *hookedSubscriber) Subscribe(ctx context.Context, topic string) (<-chan
 	h.started++
 	h.live = append(h.live, ctx)
 	h.mu.Unlock()
-	// The owner's subscriptions notice their end themselves; this is for an owner without
-	// subscriptions of its own, or a Router whose last handler is not the owner's.
-	context.AfterFunc(ctx, func() {
+	// Every handler's channel, the owner's or not, closes after the shutdown when the Router
+	// closes, so that router.Run waits for it whichever handlers are left.
+	out := make(chan *message.Message)
+	go func() {
+		defer close(out)
+		for msg := range ch {
+			out <- msg
+		}
 		if h.routerClosing() {
 			h.closeDown()
 		}
-	})
-	return ch, nil
+	}()
+	return out, nil
 }
 
 // Close is called by the Router only when it closes.

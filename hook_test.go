@@ -303,9 +303,36 @@ func TestRouterHook_S12_ownShutdowner(t *testing.T) {
 
 	require.NoError(t, router.Close())
 	require.NoError(t, <-runErr)
-	waitClosed(t, hook.Done(), 5*time.Second, "the owner shut down")
-	rep, err := hook.Report()
+	rep, err := hook.Report() // router.Run waited for the shutdown
 	require.NoError(t, err)
 	assert.Equal(t, 7, rep.Subscriptions)
 	assert.Equal(t, 1, owner.shutdowns())
+}
+
+// The owner's only handler stopped while a handler of another subscriber runs on: the Router
+// is not closing, so the owner is not shut down and its publishers still publish (S12).
+func TestRouterHook_S12_ownHandlerStoppedWhileOthersRun(t *testing.T) {
+	t.Parallel()
+	topic := testdb.Topic(t, "")
+	hb := newHookedBroker(t, sqlbroker.SubscriberConfig{}, 10*time.Second, topic)
+	own := hb.router.AddNoPublisherHandler("own", topic, hb.sub, func(*message.Message) error { return nil })
+	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	defer ps.Close()
+	hb.router.AddNoPublisherHandler("other", "other", ps, func(*message.Message) error { return nil })
+	runErr := hb.run(t, context.Background())
+
+	own.Stop()
+	waitClosed(t, own.Stopped(), 5*time.Second, "the owner's handler stopped")
+	select {
+	case <-hb.hook.Done():
+		t.Fatal("the owner was shut down while a handler of the Router still runs")
+	case <-time.After(200 * time.Millisecond):
+	}
+	require.NoError(t, hb.pub.Publish(topic, message.NewMessage(watermill.NewUUID(), nil)))
+
+	require.NoError(t, hb.router.Close())
+	require.NoError(t, <-runErr)
+	_, err := hb.hook.Report()
+	require.NoError(t, err)
+	hb.leftOnServer(t)
 }
