@@ -82,16 +82,22 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 	// 1. Refuse new subscriptions.
 	s.closed = true
 	subs := make([]*subscription, 0, len(s.subs))
+	alone := map[*subscription]bool{} // under a Router's hook: stopped before, not by its closing
 	for sub := range s.subs {
 		subs = append(subs, sub)
+		if sub.stoppedAlone() {
+			alone[sub] = true
+		}
 	}
+	// Under a Router's hook, subscriptions that the Router's closing stopped and that ended
+	// before now: what their stop did is part of this shutdown.
+	rep := s.stoppedByRouter
 	s.mu.Unlock()
 	start := time.Now()
 	close(s.shutdown)
 
-	var rep CloseReport
 	var err error
-	rep.Subscriptions = len(subs)
+	rep.Subscriptions += len(subs) - len(alone)
 
 	// 2. Stop claiming, give back what was not handed out, close the channels.
 	for _, sub := range subs {
@@ -100,6 +106,9 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 	for _, sub := range subs {
 		select {
 		case <-sub.claimDone:
+			if alone[sub] {
+				continue // what its own stop did is not this shutdown's
+			}
 			rep.ClaimsReleased += int(sub.releasedAtStop.Load())
 			rep.LocksReleased += int(sub.unlockedAtStop.Load())
 			rep.QueriesCancelled += int(sub.queriesCancelled.Load())

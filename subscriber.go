@@ -48,6 +48,8 @@ type Subscriber struct {
 
 	stats subscriberStats
 	hook  atomic.Pointer[RouterHook] // set when a Router's hook owns the shutdown
+
+	stoppedByRouter CloseReport // guarded by mu: subscriptions that ended as the Router closed
 }
 
 var (
@@ -145,7 +147,8 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if err != nil {
 		return nil, err
 	}
-	if h := s.hook.Load(); h != nil {
+	if h := s.hook.Load(); h != nil && h.isRouterSubscription(ctx) {
+		sub.routerSub.Store(true)
 		return h.relay(sub), nil
 	}
 	return sub.out, nil
@@ -208,7 +211,8 @@ func (s *Subscriber) stopSubscriptions() {
 // Under a RouterHook, Close stops the subscriptions only (as the Router calls it when it
 // begins to close), and the hook runs the shutdown once the handlers have drained.
 func (s *Subscriber) Close() error {
-	if s.hook.Load() != nil && !s.isDone() {
+	if h := s.hook.Load(); h != nil && !s.isDone() {
+		h.closeBegun()
 		s.stopSubscriptions()
 		return nil
 	}
@@ -228,9 +232,29 @@ func (s *Subscriber) isDone() bool {
 }
 
 func (s *Subscriber) removeSubscription(sub *subscription) {
+	h := s.hook.Load()
 	s.mu.Lock()
 	delete(s.subs, sub)
+	if h != nil && !s.closed && !sub.stoppedAlone() && h.routerClosing() {
+		// It stopped with the Router's closing, before Shutdown: Shutdown counts it.
+		s.stoppedByRouter.add(sub.stopReport())
+	}
 	s.mu.Unlock()
+	if h != nil {
+		h.forget(sub)
+	}
+}
+
+// stopReport is what the stop of sub did by itself: the claims it gave back, their locks, the
+// statements it cancelled and the connections it closed.
+func (sub *subscription) stopReport() CloseReport {
+	return CloseReport{
+		Subscriptions:     1,
+		ClaimsReleased:    int(sub.releasedAtStop.Load()),
+		LocksReleased:     int(sub.unlockedAtStop.Load()),
+		QueriesCancelled:  int(sub.queriesCancelled.Load()),
+		ConnectionsClosed: int(sub.connsClosed.Load()),
+	}
 }
 
 func validateTopic(topic string) error { return ident.ValidateName("topic", topic) }
@@ -263,6 +287,8 @@ type subscription struct {
 	unlockedAtStop   atomic.Int64 // advisory locks of those claims dropped then
 	queriesCancelled atomic.Int64 // claim statements cancelled on the server and awaited (S3)
 	connsClosed      atomic.Int64 // connections a cancel closed (lib/pq closes them)
+	routerSub        atomic.Bool  // taken by a handler of a hooked Router
+	alone            atomic.Bool  // a Router subscription that stopped while the Router ran on
 
 	adv *advisoryState // advisory-lock mode only (subscriber_advisory.go)
 

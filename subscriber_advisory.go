@@ -96,7 +96,10 @@ func (a *advisoryState) run() {
 		// Shutdown releases what is left and closes the connection, and counts both (S9).
 		<-a.released
 	default:
-		a.conn.Close() // the subscription stopped by itself and nothing is held any more
+		// The subscription stopped by itself and nothing is held any more.
+		if _, closed := a.conn.Close(); closed {
+			a.sub.connsClosed.Add(1)
+		}
 	}
 }
 
