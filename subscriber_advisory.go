@@ -2,6 +2,7 @@ package sqlbroker
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"sync"
@@ -69,6 +70,8 @@ func (sub *subscription) openAdvisory(ctx context.Context) error {
 	conn, err := advisory.Open(ctx, sub.s.db, advisory.Options{
 		Key1:          a.key1,
 		CheckInterval: sub.cfg.LockCheckInterval,
+		LockTimeout:   sub.cfg.LockWaitTimeout,
+		Stop:          sub.ctx, // the claim statements in flight are cancelled on the server, and no reconnect
 		OnLost:        a.lost,
 		Logger:        sub.logger,
 	})
@@ -194,9 +197,14 @@ func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]off
 		skip = append(skip, o)
 	}
 	sub.mu.Unlock()
-	cands, err := sub.store.HeldAfter(sub.ctx, sub.s.db, sub.groupID, a.rescueAfter, skip, rescuePage)
+	var cands []int64
+	err := a.conn.Query(sub.ctx, func(ctx context.Context, q dbx.Querier) error {
+		var err error
+		cands, err = sub.store.HeldAfter(ctx, q, sub.groupID, a.rescueAfter, skip, rescuePage)
+		return err
+	})
 	if err != nil {
-		return buf, err
+		return buf, a.claimError(err)
 	}
 	if len(cands) < rescuePage {
 		a.rescueAfter = 0 // the end: start over next time
@@ -206,21 +214,24 @@ func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]off
 	if len(cands) == 0 {
 		return buf, nil
 	}
-	locked, gen, err := a.conn.TryLock(cands)
+	locked, gen, err := a.conn.TryLock(sub.ctx, cands)
 	if err != nil || len(locked) == 0 {
-		return buf, err
+		return buf, a.claimError(err)
 	}
 	if len(locked) > n {
 		a.unlock(locked[n:], gen) // no room for them this round
 		locked = locked[:n]
 	}
-	// From here the locks are ours: finish without the subscription's cancel.
-	ctx, cancel := dbx.CleanupContext(sub.ctx)
-	defer cancel()
-	got, err := sub.store.Adopt(ctx, sub.s.db, sub.groupID, token, locked, buf)
+	// A takeover cancelled as the subscription stops changes no row: the locks go back.
+	var got []offsets.Claimed
+	err = a.conn.Query(sub.ctx, func(ctx context.Context, q dbx.Querier) error {
+		var err error
+		got, err = sub.store.Adopt(ctx, q, sub.groupID, token, locked, buf)
+		return err
+	})
 	if err != nil {
 		a.unlock(locked, gen)
-		return buf[:0], err
+		return buf[:0], a.claimError(err)
 	}
 	if len(got) < len(locked) {
 		kept := make(map[int64]bool, len(got))
@@ -248,7 +259,7 @@ func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64, due 
 	sub := a.sub
 	start := len(buf)
 	out := buf
-	gen, err := a.conn.Claim(func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error) {
+	gen, err := a.conn.Claim(sub.ctx, func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error) {
 		var err error
 		out, err = sub.store.ClaimLocked(ctx, q, sub.groupID, token, n, a.key1, held, due, buf)
 		if err != nil {
@@ -261,9 +272,24 @@ func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64, due 
 		return locked, nil
 	})
 	if err != nil {
-		return buf, 0, err
+		return buf, 0, a.claimError(err)
 	}
 	return out, gen, nil
+}
+
+// claimError counts a statement of the claim round that the server cancelled as the
+// subscription stopped (Shutdown reports it), and says what a lock wait that ran out means.
+func (a *advisoryState) claimError(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, advisory.ErrCancelled):
+		a.sub.queriesCancelled.Add(1)
+	case dbx.SQLState(err) == dbx.CodeLockNotAvailable:
+		return fmt.Errorf("the claim waited longer than LockWaitTimeout (%s) for a lock another session holds on the topic's tables (a migration's table lock?); "+
+			"it took nothing, and the deliveries in work keep their locks: %w", a.sub.cfg.LockWaitTimeout, err)
+	}
+	return err
 }
 
 // giveBackNow releases claims of this round, locked under gen, that will not be handed out.
@@ -464,10 +490,13 @@ func (a *advisoryState) shutdown(ctx context.Context) (released, closed int, err
 			err = ctx.Err()
 		}
 
-		n, c := a.conn.Close()
+		n, c, cerr := a.conn.CloseContext(ctx)
 		released = n
 		if c {
 			closed = 1
+		}
+		if cerr != nil && err == nil {
+			err = cerr
 		}
 		close(a.released)
 	})
