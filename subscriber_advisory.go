@@ -26,14 +26,17 @@ import (
 //     offsets.Store.ClaimLocked). So a claim row becomes visible to others only with its lock
 //     already held: no window in which it looks orphaned. A lock that cannot be taken (its
 //     previous holder is still unlocking after a nack, or a key collision) leaves the claim
-//     due for a later round. The statement runs under its own timeout, never the
-//     subscription's cancel; if it fails, the lock connection is closed (whatever it locked
-//     before failing goes with it) and opened again.
+//     due for a later round. The statement is bounded by the server (the lock connection's
+//     lock_timeout and statement_timeout), never by the subscription's cancel: a claim the
+//     server ended, blocked on a table lock say, takes nothing (the locks it took before
+//     failing are dropped again) and is retried, and the lock connection stays. When the
+//     subscription stops, the statement of the claim round in flight is cancelled on the
+//     server and awaited (counted in QueriesCancelled).
 //   - A claim whose lock is free and whose row is still 'infinity' is an orphan (its consumer
 //     died or lost its lock connection). Each claim round, at most once per PollInterval,
 //     reads a page of the group's held claims, tries the locks of exactly those offsets, then
 //     re-reads and takes over the rows whose lock it got, under a new token, in a statement
-//     that starts after the locks were taken (A4): a row settled meanwhile is gone or no
+//     that starts after the locks were taken (A4), all on the lock connection: a row settled meanwhile is gone or no
 //     longer 'infinity' and is dropped, its lock released. No timeout is involved (A2).
 //   - Ack and nack are applied in the database (fenced by the token, as in lease mode) and then
 //     the lock is released.
