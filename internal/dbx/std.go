@@ -197,7 +197,7 @@ func (c *stdConn) Query(ctx context.Context, query string, args ...any) (Rows, e
 		done()
 		return nil, err
 	}
-	return trackedRows{Rows: rows, done: done}, nil
+	return &trackedRows{Rows: rows, done: done}, nil
 }
 
 func (c *stdConn) track(ctx context.Context) (context.Context, func()) {
@@ -216,14 +216,31 @@ func (c *stdConn) track(ctx context.Context) (context.Context, func()) {
 	}
 }
 
+// trackedRows ends the statement's own context when closed. Err after Close is the error
+// read before that context ended: database/sql reports a context cancelled after the rows
+// were closed as their error when they did not reach their end (one row read of several).
 type trackedRows struct {
 	Rows
-	done func()
+	done   func()
+	closed bool
+	err    error
 }
 
-func (r trackedRows) Close() {
+func (r *trackedRows) Close() {
+	if r.closed {
+		return
+	}
 	r.Rows.Close()
+	r.err = r.Rows.Err()
+	r.closed = true
 	r.done()
+}
+
+func (r *trackedRows) Err() error {
+	if r.closed {
+		return r.err
+	}
+	return r.Rows.Err()
 }
 
 func (c *stdConn) Cancel(ctx context.Context) (bool, error) {
