@@ -224,6 +224,8 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		rep.ClaimsReleased += int(sub.releasedAtStop.Load())
 		rep.LocksReleased += int(sub.unlockedAtStop.Load())
 		rep.ConnectionsClosed += int(sub.connsClosed.Load())
+		rep.QueriesCancelled += int(sub.lockClaimsCancelled.Load())
+		rep.ClaimStatementsCancelled += int(sub.lockClaimsCancelled.Load())
 		if sub.adv == nil {
 			rep.LeasesLeft += sub.leasesLeft()
 		}

@@ -46,6 +46,7 @@ const (
 	DefaultRetryInterval      = time.Second
 	DefaultCloseTimeout       = 30 * time.Second
 	DefaultLockCheckInterval  = time.Second
+	DefaultLockWaitTimeout    = 2 * time.Second
 	DefaultMaxPayloadBytes    = 64 << 20
 	DefaultNotifyDebounce     = 5 * time.Millisecond
 	DefaultMaxGroupRows       = 1000
@@ -239,6 +240,14 @@ type SubscriberConfig struct {
 	// out that it died (and its locks with it) and open it again. Defaults to
 	// DefaultLockCheckInterval.
 	LockCheckInterval time.Duration
+
+	// LockWaitTimeout is how long a statement on the advisory mode's lock connection waits for
+	// a table or row lock that another session holds (a migration's ALTER TABLE, a CREATE
+	// INDEX without CONCURRENTLY, a VACUUM FULL) before the server ends it: the session's
+	// lock_timeout. A claim ended so takes nothing and is tried again after RetryInterval; the
+	// lock connection and the locks of the deliveries in work stay. Defaults to
+	// DefaultLockWaitTimeout.
+	LockWaitTimeout time.Duration
 }
 
 func (c *SubscriberConfig) setDefaults() {
@@ -275,6 +284,9 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.LockCheckInterval == 0 {
 		c.LockCheckInterval = DefaultLockCheckInterval
 	}
+	if c.LockWaitTimeout == 0 {
+		c.LockWaitTimeout = DefaultLockWaitTimeout
+	}
 }
 
 func (c *SubscriberConfig) validate() error {
@@ -306,7 +318,7 @@ func (c *SubscriberConfig) validate() error {
 		{"PollInterval", c.PollInterval}, {"LeaseTTL", c.LeaseTTL}, {"LeaseRenewInterval", c.LeaseRenewInterval},
 		{"NackBackoff", c.NackBackoff}, {"RetryInterval", c.RetryInterval}, {"CloseTimeout", c.CloseTimeout},
 		{"Retention", c.Retention},
-		{"LockCheckInterval", c.LockCheckInterval},
+		{"LockCheckInterval", c.LockCheckInterval}, {"LockWaitTimeout", c.LockWaitTimeout},
 	}
 	for _, d := range durations {
 		if d.v < 0 {

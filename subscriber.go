@@ -260,13 +260,17 @@ func (s *Subscriber) removeSubscription(sub *subscription) {
 }
 
 // stopReport is what the stop of sub did by itself: the claims it gave back, their locks and
-// the connections it closed. (The statements it cancelled are counted by the tracker.)
+// the connections it closed, and the claim rounds on its lock connection it cancelled. (The
+// statements on the pool it cancelled are counted by the tracker.)
 func (sub *subscription) stopReport() CloseReport {
 	return CloseReport{
 		Subscriptions:     1,
 		ClaimsReleased:    int(sub.releasedAtStop.Load()),
 		LocksReleased:     int(sub.unlockedAtStop.Load()),
 		ConnectionsClosed: int(sub.connsClosed.Load()),
+
+		QueriesCancelled:         int(sub.lockClaimsCancelled.Load()),
+		ClaimStatementsCancelled: int(sub.lockClaimsCancelled.Load()),
 	}
 }
 
@@ -300,8 +304,11 @@ type subscription struct {
 	unlockedAtStop atomic.Int64 // advisory locks of those claims dropped then
 	connsClosed    atomic.Int64 // the LISTEN connection, when the subscription's stop closed it
 	notApplied     atomic.Int64 // settlements given up on because the subscriber shut down
-	routerSub      atomic.Bool  // taken by a handler of a hooked Router
-	alone          atomic.Bool  // a Router subscription that stopped while the Router ran on
+	// lockClaimsCancelled counts the advisory claim rounds on the lock connection that the
+	// server cancelled as the subscription stopped (the pool's statements are the tracker's).
+	lockClaimsCancelled atomic.Int64
+	routerSub           atomic.Bool // taken by a handler of a hooked Router
+	alone               atomic.Bool // a Router subscription that stopped while the Router ran on
 
 	adv *advisoryState // advisory-lock mode only (subscriber_advisory.go)
 
