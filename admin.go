@@ -25,10 +25,6 @@ const (
 // subscribed, or was deleted.
 var ErrNoGroup = offsets.ErrNoGroup
 
-// ErrNoMessage says that a group reset found no message kept at or after the position asked
-// for.
-var ErrNoMessage = offsets.ErrNoMessage
-
 // AdminConfig configures an Admin.
 type AdminConfig struct {
 	// Schema is the PostgreSQL schema of the tables, as the publishers and subscribers are
@@ -378,9 +374,10 @@ func (a *Admin) group(ctx context.Context, topic, group string) (offsets.Tables,
 // first one kept whose offset is offset or more; the messages after it follow in the order
 // the library delivers them. It drops the group's claims: deliveries in work when it runs
 // are refused as stale when they settle, and nacked messages waiting for redelivery are not
-// delivered again unless they lie after the new position. It returns the offset of the
-// first message the group will receive, or ErrNoMessage when no message is kept at or after
-// offset. Stop the group's subscribers first for an exact cut.
+// delivered again unless they lie after the new position. When no message is kept at or
+// after offset, the group is placed after every message kept and receives the next one
+// published. It returns the offset of the first message the group will receive (or the
+// lowest it can have). Stop the group's subscribers first for an exact cut.
 func (a *Admin) ResetGroup(ctx context.Context, topic, group string, offset int64) (int64, error) {
 	return a.reset(ctx, topic, group, offset, time.Time{}, false)
 }

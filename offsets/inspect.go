@@ -254,14 +254,13 @@ func (t Tables) ListClaims(ctx context.Context, q dbx.Querier, limit int) ([]Cla
 // ErrNoGroup says that the consumer group has no row in the topic's groups table.
 var ErrNoGroup = errors.New("no such consumer group")
 
-// ErrNoMessage says that no message matches the position a reset asked for.
-var ErrNoMessage = errors.New("no message at or after that position")
-
 // resetFindOffsetSQL and resetFindTimeSQL find the first message kept at or after an offset,
-// or written at or after a time; the group is then placed just before it.
+// or written at or after a time; the group is then placed just before it. lastSQL finds the
+// last message in the order of delivery, after which the group is placed when there is none.
 const (
 	resetFindOffsetSQL = `SELECT m."xid"::text, m."offset" FROM %s m WHERE m."offset" >= $1 ORDER BY m."offset" LIMIT 1`
 	resetFindTimeSQL   = `SELECT m."xid"::text, m."offset" FROM %s m WHERE m."created_at" >= $1 ORDER BY m."offset" LIMIT 1`
+	lastSQL            = `SELECT m."xid"::text, m."offset" FROM %s m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1`
 	lockGroupSQL       = `SELECT "group_id" FROM %s WHERE "consumer_group" = $1 FOR UPDATE`
 	setGroupSQL        = `UPDATE %s SET "last_xid" = $2::text::xid8, "last_offset" = $3, "updated_at" = now() WHERE "group_id" = $1`
 	dropClaimsSQL      = `DELETE FROM %s WHERE "group_id" = $1`
@@ -270,10 +269,11 @@ const (
 
 // ResetGroup moves the group's position so that the next message it is handed is the first
 // one kept at or after offset (byTime false) or written at or after the time at (byTime
-// true), and drops the group's claims: deliveries in work are then refused as
-// stale. It returns the offset of that first message.
+// true), and drops the group's claims: deliveries in work are then refused as stale. When no
+// message is kept at or after that point, the group is placed after every message kept. It
+// returns the offset the group's next message will have, or be above.
 func (t Tables) ResetGroup(ctx context.Context, b dbx.Beginner, group string, offset int64, at time.Time, byTime bool) (int64, error) {
-	var first int64
+	var next int64
 	err := dbx.InTx(ctx, b, func(tx dbx.Tx) error {
 		var id int32
 		if err := dbx.QueryRow(ctx, tx, fmt.Sprintf(lockGroupSQL, t.Groups), []any{group}, &id); err != nil {
@@ -283,27 +283,44 @@ func (t Tables) ResetGroup(ctx context.Context, b dbx.Beginner, group string, of
 			return err
 		}
 		var xid string
+		var pos int64
 		var err error
 		if byTime {
-			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(resetFindTimeSQL, t.Messages), []any{at}, &xid, &first)
+			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(resetFindTimeSQL, t.Messages), []any{at}, &xid, &next)
 		} else {
-			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(resetFindOffsetSQL, t.Messages), []any{offset}, &xid, &first)
+			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(resetFindOffsetSQL, t.Messages), []any{offset}, &xid, &next)
 		}
-		if errors.Is(err, dbx.ErrNoRows) {
-			return ErrNoMessage
-		}
-		if err != nil {
+		switch {
+		case err == nil:
+			// (xid, next-1) is below the first message in the (xid, offset) order of delivery
+			// and above every message before it with the same xid.
+			pos = next - 1
+		case errors.Is(err, dbx.ErrNoRows):
+			// After every message kept: the last in the order of delivery, and an offset below
+			// the one asked for.
+			var last int64
+			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(lastSQL, t.Messages), nil, &xid, &last)
+			if errors.Is(err, dbx.ErrNoRows) {
+				xid, last, err = "0", 0, nil
+			}
+			if err != nil {
+				return err
+			}
+			next = last + 1
+			if !byTime {
+				next = max(next, offset)
+			}
+			pos = next - 1
+		default:
 			return err
 		}
 		if _, err := tx.Exec(ctx, fmt.Sprintf(dropClaimsSQL, t.Claims), id); err != nil {
 			return err
 		}
-		// (xid, first-1) is below the first message in the (xid, offset) order of delivery
-		// and above every message before it with the same xid.
-		_, err = tx.Exec(ctx, fmt.Sprintf(setGroupSQL, t.Groups), id, xid, first-1)
+		_, err = tx.Exec(ctx, fmt.Sprintf(setGroupSQL, t.Groups), id, xid, pos)
 		return err
 	})
-	return first, err
+	return next, err
 }
 
 // DeleteGroup drops the group's row and its claims, so that it no longer holds retention
