@@ -84,6 +84,10 @@ func dial(ctx context.Context, pool dbx.Pool) (dbx.Conn, error) {
 		conn.Destroy()
 		return nil, err
 	}
+	if err := checkPinned(ctx, pool, conn); err != nil {
+		conn.Destroy()
+		return nil, err
+	}
 	return conn, nil
 }
 
