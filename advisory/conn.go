@@ -148,6 +148,10 @@ func (c *Conn) dial(ctx context.Context) (dbx.Conn, error) {
 		conn.Destroy()
 		return nil, err
 	}
+	if err := checkPinned(ctx, c.pool, conn); err != nil {
+		conn.Destroy()
+		return nil, err
+	}
 	return conn, nil
 }
 
