@@ -315,8 +315,12 @@ func onceCleanup(t *testing.T, f func()) func() {
 // waited for (S11).
 func TestShutdown_S11_nothingLoggedAfterShutdown(t *testing.T) {
 	t.Parallel()
-	for _, driver := range []string{"pgx", "libpq"} {
-		t.Run(driver, func(t *testing.T) {
+	for _, c := range []struct {
+		driver string
+		mode   sqlbroker.ClaimMode
+	}{{"pgx", sqlbroker.ClaimLease}, {"libpq", sqlbroker.ClaimLease}, {"pgx", sqlbroker.ClaimAdvisoryLock}, {"libpq", sqlbroker.ClaimAdvisoryLock}} {
+		driver := c.driver
+		t.Run(driver+"/"+c.mode.String(), func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			topic := testdb.Topic(t, "")
@@ -324,7 +328,7 @@ func TestShutdown_S11_nothingLoggedAfterShutdown(t *testing.T) {
 			log := newRecLogger()
 			pub := newPublisher(t, pgxDB(t))
 			publish(t, pub, topic, numbered(20)...)
-			sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 4,
+			sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 4, ClaimMode: c.mode,
 				Retention: time.Hour, LeaseTTL: 2 * time.Second, InitializeSchema: true}, log)
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = sub.Close() })
@@ -344,7 +348,12 @@ func TestShutdown_S11_nothingLoggedAfterShutdown(t *testing.T) {
 			returned := time.Now()
 			require.NoError(t, err)
 			assert.Empty(t, libraryGoroutines(id), "goroutines of the subscriber still run after Shutdown returned")
-			assert.Equal(t, 3, rep.LeasesLeft)
+			if c.mode == sqlbroker.ClaimLease {
+				assert.Equal(t, 3, rep.LeasesLeft)
+			} else {
+				assert.Equal(t, 3, rep.DeliveriesInWork)
+				assert.GreaterOrEqual(t, rep.LocksReleased, 3, "the locks of the deliveries in work")
+			}
 			got[1].Ack() // after Shutdown: not applied, not waited for
 			got[2].Nack()
 			watchQuiet(t, log, returned, app, topic, time.Second)

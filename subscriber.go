@@ -382,8 +382,7 @@ func (sub *subscription) start() {
 	sub.loop(sub.claimLoop)
 	sub.loop(sub.handOutLoop)
 	if sub.adv != nil {
-		sub.wg.Add(1)
-		go sub.adv.run()
+		sub.loop(sub.adv.run)
 	} else {
 		sub.loop(sub.extendLoop)
 	}
@@ -412,8 +411,9 @@ func (sub *subscription) loop(f func()) {
 }
 
 // closeSettleCh closes settleCh once the claim loop has ended and no await goroutine is left
-// to queue a settlement; Shutdown's settleQuit ends it first in advisory mode, where an await
-// outlives the shutdown to refuse a late settlement.
+// to queue a settlement. In advisory mode Shutdown's settleQuit comes first (the settle loop
+// ends on it), and the awaits of deliveries still in work end on it too: this loop, which
+// Shutdown waits for, ends once they have.
 func (sub *subscription) closeSettleCh() {
 	<-sub.claimDone
 	awaited := make(chan struct{})
@@ -425,6 +425,7 @@ func (sub *subscription) closeSettleCh() {
 	case <-awaited:
 		close(sub.settleCh)
 	case <-sub.settleQuit:
+		<-awaited
 	}
 }
 

@@ -89,7 +89,6 @@ func (sub *subscription) openAdvisory(ctx context.Context) error {
 // run watches the lock connection (A3) until the subscription has stopped and every
 // settlement is done, or Shutdown closed the connection; then it closes the connection.
 func (a *advisoryState) run() {
-	defer a.sub.wg.Done()
 	go func() {
 		<-a.sub.claimDone
 		a.sub.awaits.Wait()
@@ -380,12 +379,11 @@ func (a *advisoryState) await(d *delivery) {
 	sub.settleCh <- settlement{d: d, op: op}
 }
 
-// awaitLate waits, up to CloseTimeout, for the settlement of a delivery whose lock Shutdown
-// released, to refuse and report it.
+// awaitLate refuses and reports the settlement of a delivery whose lock Shutdown released,
+// if it comes before Shutdown has finished; nothing of the subscription waits for it after
+// that (a settlement made later is not applied and not seen).
 func (a *advisoryState) awaitLate(d *delivery) {
-	t := time.NewTimer(a.sub.cfg.CloseTimeout)
-	defer t.Stop()
-	if op := outcome(d, t.C); op != "" {
+	if op := outcome(d, a.sub.settleQuit); op != "" {
 		a.refuseClosed(d, op)
 	}
 	a.sub.forget(d)

@@ -111,6 +111,8 @@ type Conn struct {
 	closed     bool
 	abandoned  bool // CloseContext gave up on a running statement: its end closes conn
 	reconnects int
+
+	closing chan struct{} // closed when CloseContext starts: Run returns at once
 }
 
 // Open opens the lock connection and checks that it is a session connection of its own (A5).
@@ -129,7 +131,7 @@ func Open(ctx context.Context, pool dbx.Pool, opt Options) (*Conn, error) {
 		opt.StatementTimeout = DefaultStatementTimeout
 	}
 	opt.StatementTimeout = max(opt.StatementTimeout, opt.LockTimeout)
-	c := &Conn{pool: pool, opt: opt, turn: make(chan struct{}, 1), gen: 1, held: map[int64]uint64{}}
+	c := &Conn{pool: pool, opt: opt, turn: make(chan struct{}, 1), gen: 1, held: map[int64]uint64{}, closing: make(chan struct{})}
 	conn, err := c.dial(ctx)
 	if err != nil {
 		return nil, err
@@ -668,6 +670,8 @@ func (c *Conn) Run(stop <-chan struct{}) {
 		select {
 		case <-stop:
 			return
+		case <-c.closing:
+			return
 		case <-t.C:
 		}
 		c.mu.Lock()
@@ -702,6 +706,7 @@ func (c *Conn) CloseContext(ctx context.Context) (released int, closed bool, err
 	}
 	c.closed = true // no statement starts from now on, and no reconnect
 	c.mu.Unlock()
+	close(c.closing)
 	select {
 	case c.turn <- struct{}{}:
 	case <-ctx.Done():
