@@ -103,8 +103,10 @@ func joinErrors(errs []error) error {
 //     made after Shutdown returned is not applied, and the message returns to the queue once
 //     its lease has run out (LeasesLeft).
 //  6. Advisory mode: settlements already in flight finish, then the lock of every delivery
-//     still in work is released and the lock connections close; a later settlement is
-//     refused. LocksReleased counts the locks of steps 2 and 6, ConnectionsClosed the
+//     still in work is released and the lock connections close; a settlement made before
+//     Shutdown returns is refused (counted and logged with ErrClosed), one made after it is
+//     neither applied nor seen, and the message goes to the group's next consumer.
+//     LocksReleased counts the locks of steps 2 and 6, ConnectionsClosed the
 //     connections closed.
 //  7. The subscriptions' loops end; statements still running are cancelled on the server as
 //     described above, and settlements that could not be applied are given up
@@ -181,7 +183,7 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 
 	// 6. Advisory mode: settlements already in flight finish; then the lock of every delivery
 	//    still in work is released and the lock connections are closed. A settlement that
-	//    comes later is refused, counted and logged with ErrClosed.
+	//    comes before Shutdown returns is refused, counted and logged with ErrClosed.
 	for _, sub := range subs {
 		if sub.adv == nil {
 			continue
