@@ -40,8 +40,16 @@ func (t *topics) store(ctx context.Context, pool dbx.Pool, q dbx.Querier, topic 
 	case initialize && pool != nil:
 		err = tables.Create(ctx, pool)
 	case initialize:
-		// Inside the caller's transaction: the DDL joins it.
-		err = tables.CreateIn(ctx, q)
+		// Inside the caller's transaction, the catalog is read first, as on a pool: the DDL
+		// takes table locks (CREATE INDEX IF NOT EXISTS a SHARE lock, COMMENT ON a SHARE
+		// UPDATE EXCLUSIVE one) and the schema advisory lock, all held until the caller
+		// commits, so every other writer of the topic would wait for that commit, and two
+		// transactions touching topics in opposite orders could deadlock. Only missing
+		// tables are created, and then the DDL joins the caller's transaction.
+		err = tables.Check(ctx, q)
+		if offsets.IsMissing(err) {
+			err = tables.CreateIn(ctx, q)
+		}
 	default:
 		err = tables.Check(ctx, q)
 	}
