@@ -184,13 +184,33 @@ func (b *Broker) NewPublisher(config PublisherConfig) (*Publisher, error) {
 	return b.publisher(b.db(), config)
 }
 
-// NewTxPublisher builds a Publisher inside the caller's transaction (PgxTx or StdTx); Shutdown
-// closes it, so that it too refuses every publish after the shutdown.
+// NewTxPublisher builds a Publisher inside the caller's transaction (PgxTx or StdTx), for the
+// outbox pattern: one per transaction is cheap, and the broker keeps no reference to it, so a
+// service that builds one per transaction does not grow. Once Shutdown has begun, it refuses
+// every publish with ErrClosed, as the broker's other publishers do. Its rows are the
+// caller's transaction's: a Publish that returned nil before Shutdown is committed or rolled
+// back with that transaction, whenever the caller ends it.
 func (b *Broker) NewTxPublisher(tx DB, config PublisherConfig) (*Publisher, error) {
 	if tx.tx == nil {
 		return nil, &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap a transaction: use sqlbroker.PgxTx or sqlbroker.StdTx"}
 	}
-	return b.publisher(tx, config)
+	if b.isClosed() {
+		return nil, ErrClosed
+	}
+	pub, err := NewPublisher(tx, config, b.logger)
+	if err != nil {
+		return nil, err
+	}
+	// Not registered: the publisher asks the broker instead.
+	pub.ownerClosed = b.isClosed
+	return pub, nil
+}
+
+// isClosed reports whether Shutdown has begun.
+func (b *Broker) isClosed() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.closed
 }
 
 func (b *Broker) publisher(db DB, config PublisherConfig) (*Publisher, error) {

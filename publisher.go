@@ -29,6 +29,10 @@ type Publisher struct {
 	closed   bool
 	inFlight sync.WaitGroup
 
+	// ownerClosed reports whether the broker that built this transaction publisher has shut
+	// down (a broker does not keep its transaction publishers).
+	ownerClosed func() bool
+
 	// NOTIFY debouncing, per messages table.
 	notifyMu     sync.Mutex
 	lastNotify   map[string]time.Time
@@ -93,6 +97,9 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 // With a transaction DB, the messages join the caller's transaction and become visible when
 // it commits. On pgx (a pool or a pgx.Tx), large writes use COPY (offsets.CopyMinRows).
 func (p *Publisher) Publish(topic string, messages ...*message.Message) error {
+	if p.ownerClosed != nil && p.ownerClosed() {
+		return ErrClosed
+	}
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()

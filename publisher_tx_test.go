@@ -3,6 +3,7 @@ package sqlbroker_test
 import (
 	"context"
 	"database/sql"
+	"runtime"
 	"testing"
 	"time"
 
@@ -167,4 +168,46 @@ func TestPublisher_C3_txPublishersInOppositeOrdersBothCommit(t *testing.T) {
 			assert.Equal(t, 3, countMessages(t, b))
 		})
 	}
+}
+
+// A broker keeps nothing of the transaction publishers it builds, one per transaction in an
+// outbox service: 100,000 of them leave no entry behind and the heap flat; one taken before
+// Shutdown still refuses with ErrClosed after it (issue 15 item 5, S1).
+func TestBroker_txPublishersAreNotKept(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, _ := brokerURL(t, "postgres")
+	broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
+	require.NoError(t, err)
+	defer broker.Close()
+	tx, err := testdb.Pgx(t).Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	db := sqlbroker.PgxTx(tx)
+
+	heap := func() uint64 {
+		runtime.GC()
+		var m runtime.MemStats
+		runtime.ReadMemStats(&m)
+		return m.HeapInuse
+	}
+	before := heap()
+	var last *sqlbroker.Publisher
+	for range 100_000 {
+		last, err = broker.NewTxPublisher(db, sqlbroker.PublisherConfig{})
+		require.NoError(t, err)
+	}
+	grown := int64(heap()) - int64(before)
+	t.Logf("heap in use grew by %d KiB over 100,000 transaction publishers", grown/1024)
+	assert.Zero(t, sqlbroker.BrokerPublishers(broker), "transaction publishers kept by the broker")
+	assert.Less(t, grown, int64(8<<20), "heap growth over 100,000 transaction publishers")
+
+	topic := testdb.Topic(t, "")
+	require.NoError(t, broker.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic))
+	require.NoError(t, last.Publish(topic, message.NewMessage(watermill.NewUUID(), nil)))
+	_, err = broker.Shutdown(ctx)
+	require.NoError(t, err)
+	assert.ErrorIs(t, last.Publish(topic, message.NewMessage(watermill.NewUUID(), nil)), sqlbroker.ErrClosed)
+	_, err = broker.NewTxPublisher(db, sqlbroker.PublisherConfig{})
+	assert.ErrorIs(t, err, sqlbroker.ErrClosed)
 }
