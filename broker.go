@@ -146,25 +146,13 @@ func parseBrokerURL(rawURL string) (driver, connURL, display string, err error) 
 	if perr != nil || u.Host == "" {
 		return "", "", "", &ConfigError{Field: "url", Value: scheme + "://...", Reason: "is malformed: want " + scheme + "://user[:password]@host[:port]/database[?options]"}
 	}
-	if _, hasPassword := u.User.Password(); hasPassword {
-		u.User = url.UserPassword(u.User.Username(), "xxxxx")
-	}
 	u.Scheme = scheme
-	return driver, connURL, u.Redacted(), nil
+	return driver, connURL, redactedURL(u), nil
 }
 
-// redact removes the password of rawURL from msg, wherever a driver echoed it.
-func redact(msg, rawURL string) string {
-	if u, err := url.Parse(strings.Replace(rawURL, "+postgres", "", 1)); err == nil {
-		if pw, ok := u.User.Password(); ok && pw != "" {
-			msg = strings.ReplaceAll(msg, pw, "xxxxx")
-			msg = strings.ReplaceAll(msg, url.QueryEscape(pw), "xxxxx")
-		}
-	}
-	return msg
-}
-
-// String names the broker's database, without the password.
+// String names the broker's database. Like every string the broker produces (its errors and
+// logs), it never shows a password: the URL's userinfo password and the values of its
+// password, sslpassword and sslkey parameters are replaced by xxxxx.
 func (b *Broker) String() string { return "sqlbroker.Broker(" + b.driver + " " + b.display + ")" }
 
 func (b *Broker) db() DB { return DB{pool: b.pool} }
