@@ -65,7 +65,7 @@ func (c *BrokerConfig) validate() error {
 
 // Broker owns a pool it built from a URL, and the publishers and subscribers it hands out.
 // Nothing connects until the first statement. Shutdown stops the subscribers, closes the
-// publishers (every later Publish returns ErrClosed) and closes the pool last (S6).
+// publishers (every later Publish returns ErrClosed) and closes the pool last.
 type Broker struct {
 	config  BrokerConfig
 	logger  watermill.LoggerAdapter
@@ -251,13 +251,17 @@ func (b *Broker) InitializeSchema(ctx context.Context, config PublisherConfig, t
 // like http.Server.Shutdown. The order:
 //  1. No new publisher or subscriber.
 //  2. Every subscriber shuts down (see Subscriber.Shutdown).
-//  3. Every publisher closes: later publishes return ErrClosed, and those already running
-//     have committed or failed when this step ends (S8).
+//  3. Every publisher closes (see Publisher.Close): later publishes return ErrClosed, and
+//     those already running have committed or failed when this step ends. When ctx ends
+//     first, the publishers' statements still running are cancelled on the server, and this
+//     step waits for the server to end them (a short bounded wait, about a second): so once
+//     Shutdown returns, no row and no NOTIFY of a publisher is committed any more.
 //  4. The pool closes last: it lends no new connection, and a connection still lent out is
-//     closed when it comes back (S6).
+//     closed when it comes back.
 //
-// The report adds up the subscribers' reports and the pool's connections closed. Later and
-// concurrent calls wait for the first and return its result.
+// The report adds up the subscribers' reports, the publishers' statements cancelled, and the
+// pool's connections closed. Later and concurrent calls wait for the first and return its
+// result.
 func (b *Broker) Shutdown(ctx context.Context) (CloseReport, error) {
 	b.mu.Lock()
 	if b.closed {
@@ -285,10 +289,23 @@ func (b *Broker) Shutdown(ctx context.Context) (CloseReport, error) {
 			errs = append(errs, err)
 		}
 	}
-	// 3. Publishers.
-	for _, p := range pubs {
-		if err := p.shutdown(ctx); err != nil {
-			errs = append(errs, err)
+	// 3. Publishers, all at once, so that none accepts publishes while another waits.
+	stops := make([]publisherStop, len(pubs))
+	perrs := make([]error, len(pubs))
+	var wg sync.WaitGroup
+	for i, p := range pubs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			stops[i], perrs[i] = p.shutdown(ctx)
+		}()
+	}
+	wg.Wait()
+	for i := range pubs {
+		rep.PublishesCancelled += stops[i].cancelled
+		rep.PublishesAbandoned += stops[i].abandoned
+		if perrs[i] != nil {
+			errs = append(errs, perrs[i])
 		}
 	}
 	// 4. The pool, last.

@@ -27,6 +27,10 @@ type CloseReport struct {
 	// LeasesLeft is the number of lease-mode deliveries in work whose leases were left to run
 	// out: settled before then, the settlement applies; otherwise the message returns (S4).
 	LeasesLeft int
+	// PublishesCancelled is the number of publishers' statements (inserts, COPYs, NOTIFYs) still running when the wait for them ran out, cancelled on the server and awaited: none of them committed.
+	PublishesCancelled int
+	// PublishesAbandoned is the number of publishers' statements whose end the server did not confirm in time after their cancel; their connections were closed.
+	PublishesAbandoned int
 	// Duration is how long the shutdown took.
 	Duration time.Duration
 }
@@ -40,6 +44,8 @@ func (r *CloseReport) add(o CloseReport) {
 	r.DeliveriesInWork += o.DeliveriesInWork
 	r.LeasesLeft += o.LeasesLeft
 	r.QueriesCancelled += o.QueriesCancelled
+	r.PublishesCancelled += o.PublishesCancelled
+	r.PublishesAbandoned += o.PublishesAbandoned
 }
 
 func joinErrors(errs []error) error {

@@ -101,6 +101,11 @@ type PublisherConfig struct {
 	// others), so this is what stops a statement stuck on a lock. Defaults to
 	// DefaultGroupTimeout.
 	GroupTimeout time.Duration
+
+	// CloseTimeout bounds Close: how long it waits for the publishes already running to
+	// commit or fail before it cancels those still running on the server. Defaults to
+	// DefaultCloseTimeout.
+	CloseTimeout time.Duration
 }
 
 func (c *PublisherConfig) setDefaults() {
@@ -118,6 +123,9 @@ func (c *PublisherConfig) setDefaults() {
 	}
 	if c.GroupTimeout == 0 {
 		c.GroupTimeout = DefaultGroupTimeout
+	}
+	if c.CloseTimeout == 0 {
+		c.CloseTimeout = DefaultCloseTimeout
 	}
 }
 
@@ -139,6 +147,9 @@ func (c *PublisherConfig) validate() error {
 	}
 	if c.GroupTimeout < 0 {
 		return &ConfigError{Field: "GroupTimeout", Value: c.GroupTimeout, Reason: "must not be negative"}
+	}
+	if c.CloseTimeout < 0 {
+		return &ConfigError{Field: "CloseTimeout", Value: c.CloseTimeout, Reason: "must not be negative"}
 	}
 	return nil
 }

@@ -22,9 +22,17 @@ func newTopics(schema, prefix string, asyncCommit bool) *topics {
 	return &topics{schema: schema, prefix: prefix, asyncCommit: asyncCommit, ready: map[string]*offsets.Store{}}
 }
 
+// cached returns the statements of topic when an earlier call of store has checked its tables.
+func (t *topics) cached(topic string) *offsets.Store {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.ready[topic]
+}
+
 // store validates topic and returns its statements. The first call for a topic creates the
-// tables (initialize) or checks that they exist with this schema version.
-func (t *topics) store(ctx context.Context, pool dbx.Pool, q dbx.Querier, topic string, initialize bool) (*offsets.Store, error) {
+// tables (initialize) or checks that they exist with this schema version: through pool (a
+// pool or one of its connections), or q alone inside a caller's transaction (pool nil).
+func (t *topics) store(ctx context.Context, pool dbx.Beginner, q dbx.Querier, topic string, initialize bool) (*offsets.Store, error) {
 	if err := ident.ValidateName("topic", topic); err != nil {
 		return nil, err
 	}
