@@ -359,8 +359,8 @@ func (c *pending) signal() {
 // then passes the lead on. Calls whose context ended before they were taken are done with
 // nothing written. The statement is bounded by GroupTimeout and by the publisher's shutdown,
 // never by a caller's context: one caller giving up must not fail the rows of the others. It
-// carries the values of the leading call's context (a tracing span, a request id), not its
-// cancellation.
+// carries the values of the context of the batch's first call (a tracing span, a request
+// id), not its cancellation.
 func (p *Publisher) lead(g *group, store *offsets.Store, me *pending) {
 	g.mu.Lock()
 	var batch []*pending
@@ -394,7 +394,7 @@ func (p *Publisher) lead(g *group, store *offsets.Store, me *pending) {
 				rows = append(rows, c.rows...)
 			}
 		}
-		err := p.run(context.WithoutCancel(me.ctx), stmtPublish, p.config.GroupTimeout, func(ctx context.Context, q dbx.Querier) error {
+		err := p.run(context.WithoutCancel(batch[0].ctx), stmtPublish, p.config.GroupTimeout, func(ctx context.Context, q dbx.Querier) error {
 			return p.write(ctx, q, store, rows)
 		})
 		g.mu.Lock()

@@ -4,11 +4,15 @@ import (
 	"context"
 	"database/sql"
 	"runtime"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -210,4 +214,53 @@ func TestBroker_txPublishersAreNotKept(t *testing.T) {
 	assert.ErrorIs(t, last.Publish(topic, message.NewMessage(watermill.NewUUID(), nil)), sqlbroker.ErrClosed)
 	_, err = broker.NewTxPublisher(db, sqlbroker.PublisherConfig{})
 	assert.ErrorIs(t, err, sqlbroker.ErrClosed)
+}
+
+type requestIDKey struct{}
+
+// valueTracer records, for each INSERT into a messages table, the request id its context
+// carries.
+type valueTracer struct {
+	mu   sync.Mutex
+	seen []any
+}
+
+func (v *valueTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(data.SQL, "INSERT INTO") && strings.Contains(data.SQL, "_messages") {
+		v.mu.Lock()
+		v.seen = append(v.seen, ctx.Value(requestIDKey{}))
+		v.mu.Unlock()
+	}
+	return ctx
+}
+
+func (v *valueTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// A grouped publish runs its statement with the values of the leading call's message context
+// (a tracing span, a request id), though not with its cancellation: a pgx tracer sees them.
+func TestPublisher_group_statementCarriesCallerContextValues(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	cfg, err := pgxpool.ParseConfig(testdb.URL())
+	require.NoError(t, err)
+	tracer := &valueTracer{}
+	cfg.ConnConfig.Tracer = tracer
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	pub, err := sqlbroker.NewPublisher(sqlbroker.Pgx(pool), sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	defer pub.Close()
+
+	msg := message.NewMessage(watermill.NewUUID(), []byte("traced"))
+	mctx, cancel := context.WithCancel(context.WithValue(ctx, requestIDKey{}, "req-42"))
+	defer cancel()
+	msg.SetContext(mctx)
+	require.NoError(t, pub.Publish(topic, msg))
+
+	tracer.mu.Lock()
+	defer tracer.mu.Unlock()
+	require.NotEmpty(t, tracer.seen, "no INSERT traced")
+	assert.Equal(t, []any{"req-42"}, tracer.seen)
 }
