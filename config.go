@@ -85,7 +85,7 @@ type PublisherConfig struct {
 	// that arrives while a statement of this publisher for the topic runs waits for it to
 	// end, and then goes, with every other call that queued meanwhile, into the next
 	// statement: one multi-row INSERT, or COPY for large ones. A call's messages always go
-	// into one statement together (P1), and a database error fails every call of that
+	// into one statement together (all or none), and a database error fails every call of that
 	// statement. An idle publisher adds no wait: a call that finds no statement running
 	// starts one at once. Without grouping, every call runs its own statement, under its
 	// messages' contexts, and concurrent calls use as many connections. Defaults to false.
@@ -98,7 +98,8 @@ type PublisherConfig struct {
 
 	// GroupTimeout bounds a grouped statement. It runs under a context of its own, not
 	// cancelled by the contexts of the calls in it (one caller giving up must not fail the
-	// others), so this is what stops a statement stuck on a lock. Defaults to
+	// others), so this is what stops a statement stuck on a lock: past it, the statement is
+	// cancelled on the server and its calls fail, nothing written. Defaults to
 	// DefaultGroupTimeout.
 	GroupTimeout time.Duration
 

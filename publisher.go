@@ -105,13 +105,21 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 // while it waits returns the context's error and writes nothing. Once its rows are in a
 // running statement, the call waits for that statement's end and returns its outcome, nil
 // when the rows are committed and an error when they are not, so the result is never
-// ambiguous; the statement is bounded by GroupTimeout. Calls with more than MaxGroupRows
-// messages, and all calls when grouping is off, run their own statement under the messages'
-// contexts, as a publisher inside a transaction does: there a cancel during the statement
-// returns the context's error, and whether the rows were committed is then not known.
+// ambiguous; the statement is bounded by GroupTimeout, and carries the values (not the
+// cancellation) of the context of its first call, for tracing. Calls with more than
+// MaxGroupRows messages, and all calls when grouping is off, run their own statement, bounded
+// by the messages' contexts. On a pool, a statement whose bound ends is cancelled on the
+// server, and the call returns once the server has ended it: its error then says that
+// nothing was written.
+//
+// A publish racing with Close or the broker's Shutdown either committed before they returned
+// (Publish returned nil) or fails; a publish still running when their wait runs out is
+// cancelled on the server and fails with ErrClosed, nothing of it written.
 //
 // With a transaction DB, the messages join the caller's transaction and become visible when
-// it commits. On pgx (a pool or a pgx.Tx), large writes use COPY (offsets.CopyMinRows).
+// it commits; a cancel during the statement then returns the context's error, and the
+// caller's transaction decides the rest. On pgx (a pool or a pgx.Tx), large writes use COPY
+// (offsets.CopyMinRows).
 func (p *Publisher) Publish(topic string, messages ...*message.Message) error {
 	if p.ownerClosed != nil && p.ownerClosed() {
 		return ErrClosed
