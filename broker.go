@@ -65,7 +65,7 @@ func (c *BrokerConfig) validate() error {
 
 // Broker owns a pool it built from a URL, and the publishers and subscribers it hands out.
 // Nothing connects until the first statement. Shutdown stops the subscribers, closes the
-// publishers (every later Publish returns ErrClosed) and closes the pool last (S6).
+// publishers (every later Publish returns ErrClosed) and closes the pool last.
 type Broker struct {
 	config  BrokerConfig
 	logger  watermill.LoggerAdapter
@@ -146,25 +146,13 @@ func parseBrokerURL(rawURL string) (driver, connURL, display string, err error) 
 	if perr != nil || u.Host == "" {
 		return "", "", "", &ConfigError{Field: "url", Value: scheme + "://...", Reason: "is malformed: want " + scheme + "://user[:password]@host[:port]/database[?options]"}
 	}
-	if _, hasPassword := u.User.Password(); hasPassword {
-		u.User = url.UserPassword(u.User.Username(), "xxxxx")
-	}
 	u.Scheme = scheme
-	return driver, connURL, u.Redacted(), nil
+	return driver, connURL, redactedURL(u), nil
 }
 
-// redact removes the password of rawURL from msg, wherever a driver echoed it.
-func redact(msg, rawURL string) string {
-	if u, err := url.Parse(strings.Replace(rawURL, "+postgres", "", 1)); err == nil {
-		if pw, ok := u.User.Password(); ok && pw != "" {
-			msg = strings.ReplaceAll(msg, pw, "xxxxx")
-			msg = strings.ReplaceAll(msg, url.QueryEscape(pw), "xxxxx")
-		}
-	}
-	return msg
-}
-
-// String names the broker's database, without the password.
+// String names the broker's database. Like every string the broker produces (its errors and
+// logs), it never shows a password: the URL's userinfo password and the values of its
+// password, sslpassword and sslkey parameters are replaced by xxxxx.
 func (b *Broker) String() string { return "sqlbroker.Broker(" + b.driver + " " + b.display + ")" }
 
 func (b *Broker) db() DB { return DB{pool: b.pool} }
@@ -184,13 +172,33 @@ func (b *Broker) NewPublisher(config PublisherConfig) (*Publisher, error) {
 	return b.publisher(b.db(), config)
 }
 
-// NewTxPublisher builds a Publisher inside the caller's transaction (PgxTx or StdTx); Shutdown
-// closes it, so that it too refuses every publish after the shutdown.
+// NewTxPublisher builds a Publisher inside the caller's transaction (PgxTx or StdTx), for the
+// outbox pattern: one per transaction is cheap, and the broker keeps no reference to it, so a
+// service that builds one per transaction does not grow. Once Shutdown has begun, it refuses
+// every publish with ErrClosed, as the broker's other publishers do. Its rows are the
+// caller's transaction's: a Publish that returned nil before Shutdown is committed or rolled
+// back with that transaction, whenever the caller ends it.
 func (b *Broker) NewTxPublisher(tx DB, config PublisherConfig) (*Publisher, error) {
 	if tx.tx == nil {
 		return nil, &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap a transaction: use sqlbroker.PgxTx or sqlbroker.StdTx"}
 	}
-	return b.publisher(tx, config)
+	if b.isClosed() {
+		return nil, ErrClosed
+	}
+	pub, err := NewPublisher(tx, config, b.logger)
+	if err != nil {
+		return nil, err
+	}
+	// Not registered: the publisher asks the broker instead.
+	pub.ownerClosed = b.isClosed
+	return pub, nil
+}
+
+// isClosed reports whether Shutdown has begun.
+func (b *Broker) isClosed() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.closed
 }
 
 func (b *Broker) publisher(db DB, config PublisherConfig) (*Publisher, error) {
@@ -243,13 +251,17 @@ func (b *Broker) InitializeSchema(ctx context.Context, config PublisherConfig, t
 // like http.Server.Shutdown. The order:
 //  1. No new publisher or subscriber.
 //  2. Every subscriber shuts down (see Subscriber.Shutdown).
-//  3. Every publisher closes: later publishes return ErrClosed, and those already running
-//     have committed or failed when this step ends (S8).
+//  3. Every publisher closes (see Publisher.Close): later publishes return ErrClosed, and
+//     those already running have committed or failed when this step ends. When ctx ends
+//     first, the publishers' statements still running are cancelled on the server, and this
+//     step waits for the server to end them (a short bounded wait, about a second): so once
+//     Shutdown returns, no row and no NOTIFY of a publisher is committed any more.
 //  4. The pool closes last: it lends no new connection, and a connection still lent out is
-//     closed when it comes back (S6).
+//     closed when it comes back.
 //
-// The report adds up the subscribers' reports and the pool's connections closed. Later and
-// concurrent calls wait for the first and return its result.
+// The report adds up the subscribers' reports, the publishers' statements cancelled, and the
+// pool's connections closed. Later and concurrent calls wait for the first and return its
+// result.
 func (b *Broker) Shutdown(ctx context.Context) (CloseReport, error) {
 	b.mu.Lock()
 	if b.closed {
@@ -277,10 +289,23 @@ func (b *Broker) Shutdown(ctx context.Context) (CloseReport, error) {
 			errs = append(errs, err)
 		}
 	}
-	// 3. Publishers.
-	for _, p := range pubs {
-		if err := p.shutdown(ctx); err != nil {
-			errs = append(errs, err)
+	// 3. Publishers, all at once, so that none accepts publishes while another waits.
+	stops := make([]publisherStop, len(pubs))
+	perrs := make([]error, len(pubs))
+	var wg sync.WaitGroup
+	for i, p := range pubs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			stops[i], perrs[i] = p.shutdown(ctx)
+		}()
+	}
+	wg.Wait()
+	for i := range pubs {
+		rep.PublishesCancelled += stops[i].cancelled
+		rep.PublishesAbandoned += stops[i].abandoned
+		if perrs[i] != nil {
+			errs = append(errs, perrs[i])
 		}
 	}
 	// 4. The pool, last.

@@ -50,6 +50,13 @@ type CloseReport struct {
 	// out: their messages return to the queue then. An ack or nack that comes after Shutdown
 	// returned is not applied.
 	LeasesLeft int
+	// PublishesCancelled is the number of publishers' statements (inserts, COPYs, NOTIFYs)
+	// still running when the wait for them ran out, cancelled on the server and awaited: none
+	// of them committed.
+	PublishesCancelled int
+	// PublishesAbandoned is the number of publishers' statements whose end the server did not
+	// confirm in time after their cancel; their connections were closed.
+	PublishesAbandoned int
 	// Duration is how long the shutdown took.
 	Duration time.Duration
 }
@@ -70,6 +77,8 @@ func (r *CloseReport) add(o CloseReport) {
 	r.OtherStatementsCancelled += o.OtherStatementsCancelled
 	r.StatementsAbandoned += o.StatementsAbandoned
 	r.SettlementsNotApplied += o.SettlementsNotApplied
+	r.PublishesCancelled += o.PublishesCancelled
+	r.PublishesAbandoned += o.PublishesAbandoned
 }
 
 func joinErrors(errs []error) error {
@@ -209,12 +218,12 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		}
 	}
 	stop := s.tracker.Stop(ctx)
-	grace := time.NewTimer(dbx.CancelWait)
-	defer grace.Stop()
+	grace, cancelGrace := context.WithTimeout(context.Background(), dbx.CancelWait)
+	defer cancelGrace()
 	for _, sub := range subs {
 		select {
-		case <-sub.loopsEnded:
-		case <-grace.C:
+		case <-sub.finished:
+		case <-grace.Done():
 		}
 	}
 

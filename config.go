@@ -86,7 +86,7 @@ type PublisherConfig struct {
 	// that arrives while a statement of this publisher for the topic runs waits for it to
 	// end, and then goes, with every other call that queued meanwhile, into the next
 	// statement: one multi-row INSERT, or COPY for large ones. A call's messages always go
-	// into one statement together (P1), and a database error fails every call of that
+	// into one statement together (all or none), and a database error fails every call of that
 	// statement. An idle publisher adds no wait: a call that finds no statement running
 	// starts one at once. Without grouping, every call runs its own statement, under its
 	// messages' contexts, and concurrent calls use as many connections. Defaults to false.
@@ -99,9 +99,15 @@ type PublisherConfig struct {
 
 	// GroupTimeout bounds a grouped statement. It runs under a context of its own, not
 	// cancelled by the contexts of the calls in it (one caller giving up must not fail the
-	// others), so this is what stops a statement stuck on a lock. Defaults to
+	// others), so this is what stops a statement stuck on a lock: past it, the statement is
+	// cancelled on the server and its calls fail, nothing written. Defaults to
 	// DefaultGroupTimeout.
 	GroupTimeout time.Duration
+
+	// CloseTimeout bounds Close: how long it waits for the publishes already running to
+	// commit or fail before it cancels those still running on the server. Defaults to
+	// DefaultCloseTimeout.
+	CloseTimeout time.Duration
 }
 
 func (c *PublisherConfig) setDefaults() {
@@ -119,6 +125,9 @@ func (c *PublisherConfig) setDefaults() {
 	}
 	if c.GroupTimeout == 0 {
 		c.GroupTimeout = DefaultGroupTimeout
+	}
+	if c.CloseTimeout == 0 {
+		c.CloseTimeout = DefaultCloseTimeout
 	}
 }
 
@@ -140,6 +149,9 @@ func (c *PublisherConfig) validate() error {
 	}
 	if c.GroupTimeout < 0 {
 		return &ConfigError{Field: "GroupTimeout", Value: c.GroupTimeout, Reason: "must not be negative"}
+	}
+	if c.CloseTimeout < 0 {
+		return &ConfigError{Field: "CloseTimeout", Value: c.CloseTimeout, Reason: "must not be negative"}
 	}
 	return nil
 }

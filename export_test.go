@@ -22,3 +22,10 @@ func PublisherClosed(p *Publisher) bool {
 	defer p.mu.Unlock()
 	return p.closed
 }
+
+// BrokerPublishers is the number of publishers b keeps for its shutdown.
+func BrokerPublishers(b *Broker) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.publishers)
+}

@@ -3,9 +3,11 @@ package sqlbroker
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -29,20 +31,36 @@ type Publisher struct {
 	closed   bool
 	inFlight sync.WaitGroup
 
-	// NOTIFY debouncing, per messages table.
+	// ownerClosed reports whether the broker that built this transaction publisher has shut
+	// down (a broker does not keep its transaction publishers).
+	ownerClosed func() bool
+
+	// NOTIFY debouncing, per messages table. timers counts the trailing NOTIFYs scheduled
+	// and not yet over (stopped before they fired, or done); once notifyClosed is set, no
+	// timer is scheduled any more.
 	notifyMu     sync.Mutex
 	lastNotify   map[string]time.Time
 	notifyTimers map[string]*time.Timer
+	notifyClosed bool
+	timers       sync.WaitGroup
 
 	// Grouped publishes, per messages table (see publishGrouped).
 	groupsMu sync.Mutex
 	groups   map[string]*group
 
-	// base is the parent context of grouped statements: shutdown cancels it when its wait for
-	// them runs out, so that nothing is written after it returns.
-	base       context.Context
-	cancelBase context.CancelFunc
+	// tracker runs every statement of a pool publisher, so that shutdown can cancel on the
+	// server whatever still runs when its wait ends, and wait for the server's answer. nil
+	// inside a caller's transaction: its statements are the caller's.
+	tracker       *dbx.Tracker
+	stopCancelled atomic.Int64 // statements the tracker's Stop cancelled on the server
 }
+
+// Kinds of the statements a publisher runs through its tracker.
+const (
+	stmtSchema  = "schema"
+	stmtPublish = "publish"
+	stmtNotify  = "notify"
+)
 
 var _ message.Publisher = (*Publisher)(nil)
 
@@ -58,7 +76,10 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	base, cancelBase := context.WithCancel(context.Background())
+	var tracker *dbx.Tracker
+	if db.pool != nil {
+		tracker = dbx.NewTracker(db.pool)
+	}
 	return &Publisher{
 		db:     db,
 		config: config,
@@ -68,9 +89,8 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 		lastNotify:   map[string]time.Time{},
 		notifyTimers: map[string]*time.Timer{},
 
-		groups:     map[string]*group{},
-		base:       base,
-		cancelBase: cancelBase,
+		groups:  map[string]*group{},
+		tracker: tracker,
 	}, nil
 }
 
@@ -85,14 +105,25 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 // while it waits returns the context's error and writes nothing. Once its rows are in a
 // running statement, the call waits for that statement's end and returns its outcome, nil
 // when the rows are committed and an error when they are not, so the result is never
-// ambiguous; the statement is bounded by GroupTimeout. Calls with more than MaxGroupRows
-// messages, and all calls when grouping is off, run their own statement under the messages'
-// contexts, as a publisher inside a transaction does: there a cancel during the statement
-// returns the context's error, and whether the rows were committed is then not known.
+// ambiguous; the statement is bounded by GroupTimeout, and carries the values (not the
+// cancellation) of the context of its first call, for tracing. Calls with more than
+// MaxGroupRows messages, and all calls when grouping is off, run their own statement, bounded
+// by the messages' contexts. On a pool, a statement whose bound ends is cancelled on the
+// server, and the call returns once the server has ended it: its error then says that
+// nothing was written.
+//
+// A publish racing with Close or the broker's Shutdown either committed before they returned
+// (Publish returned nil) or fails; a publish still running when their wait runs out is
+// cancelled on the server and fails with ErrClosed, nothing of it written.
 //
 // With a transaction DB, the messages join the caller's transaction and become visible when
-// it commits. On pgx (a pool or a pgx.Tx), large writes use COPY (offsets.CopyMinRows).
+// it commits; a cancel during the statement then returns the context's error, and the
+// caller's transaction decides the rest. On pgx (a pool or a pgx.Tx), large writes use COPY
+// (offsets.CopyMinRows).
 func (p *Publisher) Publish(topic string, messages ...*message.Message) error {
+	if p.ownerClosed != nil && p.ownerClosed() {
+		return ErrClosed
+	}
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
@@ -115,10 +146,9 @@ func (p *Publisher) Publish(topic string, messages ...*message.Message) error {
 		return notWritten(ctx, topic)
 	}
 
-	q := p.db.querier()
-	store, err := p.topics.store(ctx, p.db.pool, q, topic, p.config.InitializeSchema)
+	store, err := p.store(ctx, topic)
 	if err != nil {
-		return fmt.Errorf("sqlbroker: publish to %q: %w", topic, err)
+		return p.publishErr(topic, nil, err)
 	}
 	if p.db.pool != nil && !p.config.DisableGroupInsert && len(rows) <= p.config.MaxGroupRows {
 		sent, err := p.publishGrouped(ctx, store, rows)
@@ -131,11 +161,39 @@ func (p *Publisher) Publish(topic string, messages ...*message.Message) error {
 		}
 		return err
 	}
-	if err := p.write(ctx, q, store, rows); err != nil {
+	if p.db.tx != nil {
+		err = p.write(ctx, p.db.tx, store, rows)
+	} else {
+		err = p.run(ctx, stmtPublish, 0, func(ctx context.Context, q dbx.Querier) error {
+			return p.write(ctx, q, store, rows)
+		})
+	}
+	if err != nil {
 		return p.publishErr(topic, store, err)
 	}
 	p.logger.Trace("Published messages", watermill.LogFields{"topic": topic, "count": len(rows)})
 	return nil
+}
+
+// store returns the statements of topic, checking (or creating) its tables on first use: in
+// the caller's transaction, or on a connection of the tracker's.
+func (p *Publisher) store(ctx context.Context, topic string) (*offsets.Store, error) {
+	if err := validateTopic(topic); err != nil {
+		return nil, err // before a connection is taken for it
+	}
+	if p.db.tx != nil {
+		return p.topics.store(ctx, nil, p.db.tx, topic, p.config.InitializeSchema)
+	}
+	if s := p.topics.cached(topic); s != nil {
+		return s, nil
+	}
+	var s *offsets.Store
+	err := p.run(ctx, stmtSchema, 0, func(ctx context.Context, q dbx.Querier) error {
+		var err error
+		s, err = p.topics.store(ctx, q.(dbx.Beginner), q, topic, p.config.InitializeSchema)
+		return err
+	})
+	return s, err
 }
 
 // notWritten is the error of a call whose context ended before its rows were sent.
@@ -143,20 +201,30 @@ func notWritten(ctx context.Context, topic string) error {
 	return fmt.Errorf("sqlbroker: publish to %q: %w; nothing was written", topic, context.Cause(ctx))
 }
 
-// publishErr turns the error of a write to topic into the error of one Publish call.
+// publishErr turns the error of a write to topic into the error of one Publish call. A
+// statement the server says it cancelled (on a caller's cancel, past GroupTimeout, or at
+// shutdown) was rolled back: nothing of it was written.
 func (p *Publisher) publishErr(topic string, store *offsets.Store, err error) error {
 	if err == nil {
 		return nil
 	}
-	if dbx.SQLState(err) == dbx.CodeUndefinedTable {
+	if errors.Is(err, dbx.ErrStopped) {
+		// Refused before it started, or cancelled on the server and rolled back.
+		return fmt.Errorf("sqlbroker: publish to %q: %w: stopped by the shutdown; nothing was written (%w)", topic, ErrClosed, err)
+	}
+	if dbx.SQLState(err) == dbx.CodeQueryCanceled && (errors.Is(err, dbx.ErrLimit) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+		return fmt.Errorf("sqlbroker: publish to %q: %w; nothing was written", topic, err)
+	}
+	if store != nil && dbx.SQLState(err) == dbx.CodeUndefinedTable {
 		p.topics.forget(topic)
 		return fmt.Errorf("sqlbroker: publish to %q: %w", topic, &MissingTableError{Topic: topic, Table: store.T.Messages})
 	}
 	return fmt.Errorf("sqlbroker: publish to %q: %w", topic, err)
 }
 
-// write writes rows to store's messages table through q, all or none, and wakes the topic's
-// subscribers: in this process at once (on a pool), elsewhere by NOTIFY (debounced).
+// write writes rows to store's messages table through q (the caller's transaction, or a
+// connection of the tracker's), all or none, and wakes the topic's subscribers: in this
+// process at once (on a pool), elsewhere by NOTIFY (debounced).
 //   - From offsets.CopyMinRows rows on pgx: COPY, in one statement whatever the count. The
 //     NOTIFY then follows in the caller's transaction, or right after the COPY on a pool (a
 //     NOTIFY is only a latency aid: subscribers poll as well).
@@ -178,8 +246,8 @@ func (p *Publisher) write(ctx context.Context, q dbx.Querier, store *offsets.Sto
 				p.logger.Debug("NOTIFY failed; subscribers will poll", watermill.LogFields{"err": nerr})
 			}
 		}
-	case p.db.pool != nil && len(rows) > offsets.MaxRowsPerStatement():
-		err = dbx.InTx(ctx, p.db.pool, func(tx dbx.Tx) error { return store.Insert(ctx, tx, rows, channel) })
+	case p.db.tx == nil && len(rows) > offsets.MaxRowsPerStatement():
+		err = dbx.InTx(ctx, q.(dbx.Beginner), func(tx dbx.Tx) error { return store.Insert(ctx, tx, rows, channel) })
 	default:
 		err = store.Insert(ctx, q, rows, channel)
 	}
@@ -300,8 +368,10 @@ func (c *pending) signal() {
 
 // lead writes one statement for the calls at the head of g's queue (me, the leader, is first),
 // then passes the lead on. Calls whose context ended before they were taken are done with
-// nothing written. The statement runs under the publisher's base context and GroupTimeout,
-// never under a caller's: one caller giving up must not fail the rows of the others.
+// nothing written. The statement is bounded by GroupTimeout and by the publisher's shutdown,
+// never by a caller's context: one caller giving up must not fail the rows of the others. It
+// carries the values of the context of the batch's first call (a tracing span, a request
+// id), not its cancellation.
 func (p *Publisher) lead(g *group, store *offsets.Store, me *pending) {
 	g.mu.Lock()
 	var batch []*pending
@@ -335,9 +405,9 @@ func (p *Publisher) lead(g *group, store *offsets.Store, me *pending) {
 				rows = append(rows, c.rows...)
 			}
 		}
-		ctx, cancel := context.WithTimeout(p.base, p.config.GroupTimeout)
-		err := p.write(ctx, p.db.pool, store, rows)
-		cancel()
+		err := p.run(context.WithoutCancel(batch[0].ctx), stmtPublish, p.config.GroupTimeout, func(ctx context.Context, q dbx.Querier) error {
+			return p.write(ctx, q, store, rows)
+		})
 		g.mu.Lock()
 		for _, c := range batch {
 			c.err = err
@@ -383,28 +453,44 @@ func (p *Publisher) notifyInline(table string) string {
 }
 
 // notifyLater makes sure a NOTIFY of table follows a publish that did not send one, at most
-// NotifyDebounce after the last one.
+// NotifyDebounce after the last one. Once shutdown has begun, the publish sends it itself
+// (shutdown waits for the publishes running, and so for it).
 func (p *Publisher) notifyLater(table string) {
 	if p.config.DisableNotify {
 		return
 	}
 	p.notifyMu.Lock()
+	if p.notifyClosed {
+		p.notifyMu.Unlock()
+		p.notify(context.Background(), table)
+		return
+	}
 	defer p.notifyMu.Unlock()
 	if p.notifyTimers[table] != nil {
 		return
 	}
 	wait := max(p.config.NotifyDebounce-time.Since(p.lastNotify[table]), 0)
+	p.timers.Add(1)
 	p.notifyTimers[table] = time.AfterFunc(wait, func() {
+		defer p.timers.Done()
 		p.notifyMu.Lock()
 		delete(p.notifyTimers, table)
 		p.lastNotify[table] = time.Now()
 		p.notifyMu.Unlock()
-		ctx, cancel := dbx.CleanupContext(context.Background())
-		defer cancel()
-		if _, err := p.db.pool.Exec(ctx, "SELECT pg_notify($1, $2)", listen.Channel, table); err != nil {
-			p.logger.Debug("NOTIFY failed; subscribers will poll", watermill.LogFields{"err": err})
-		}
+		p.notify(context.Background(), table)
 	})
+}
+
+// notify sends a NOTIFY of table through the tracker, bounded by ctx and CleanupTimeout; a
+// failure only delays the subscribers of other processes until their next poll.
+func (p *Publisher) notify(ctx context.Context, table string) {
+	err := p.run(ctx, stmtNotify, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
+		_, err := q.Exec(ctx, "SELECT pg_notify($1, $2)", listen.Channel, table)
+		return err
+	})
+	if err != nil && !errors.Is(err, dbx.ErrStopped) {
+		p.logger.Debug("NOTIFY failed; subscribers will poll", watermill.LogFields{"err": err})
+	}
 }
 
 // rows validates messages and turns them into rows, before anything reaches the database.
@@ -480,38 +566,109 @@ func messagesContext(messages []*message.Message) (context.Context, context.Canc
 	}
 }
 
-// Close makes every later Publish return ErrClosed, then waits, up to DefaultCloseTimeout, for
-// the publishes already running to commit or fail, so that no row is written after Close
-// returns. Grouped calls that were accepted before Close and still wait in a queue are
-// publishes already running: they are written, and Close waits for them. If the wait runs
-// out, the grouped statements still running are cancelled. It is idempotent.
+// Close makes every later Publish return ErrClosed, then waits, up to CloseTimeout, for the
+// publishes already running to commit or fail. Grouped calls that were accepted before Close
+// and still wait in a queue are publishes already running: they are written, and Close waits
+// for them. A trailing NOTIFY still due is sent before Close returns. If the wait runs out,
+// every statement of the publisher still running is cancelled on the server, and Close waits
+// (a short bounded wait of its own, about a second) for the server to end each one; their
+// publishes fail with ErrClosed, nothing of theirs committed. So once Close returns, nothing
+// of the publisher runs and nothing more of it is committed: a publish racing with Close
+// either committed before Close returned (Publish returned nil) or failed. It is idempotent.
+//
+// Inside a caller's transaction, nothing is cancelled: the statements are the caller's, and
+// the caller's commit or rollback decides.
 func (p *Publisher) Close() error {
-	ctx, cancel := context.WithTimeout(context.Background(), DefaultCloseTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), p.config.CloseTimeout)
 	defer cancel()
-	return p.shutdown(ctx)
+	_, err := p.shutdown(ctx)
+	return err
 }
 
-func (p *Publisher) shutdown(ctx context.Context) error {
+// publisherStop says what a publisher's shutdown cancelled on the server and gave up on.
+type publisherStop struct {
+	cancelled, abandoned int
+}
+
+// shutdown closes the publisher, bounded by ctx (plus the tracker's CancelWait, when ctx ends
+// with statements still running). The order:
+//  1. No new Publish: ErrClosed from now on.
+//  2. The publishes running finish, while ctx allows.
+//  3. No new NOTIFY timer; a NOTIFY still due is sent now, one already firing is awaited.
+//  4. The tracker stops: whatever statement still runs (ctx ended) is cancelled on the
+//     server, and the server's answer awaited.
+//  5. The publishes and NOTIFYs that ran them return: nothing of the publisher runs after.
+func (p *Publisher) shutdown(ctx context.Context) (publisherStop, error) {
+	// 1.
 	p.mu.Lock()
 	p.closed = true
 	p.mu.Unlock()
+	// 2.
+	err := waitCtx(ctx, p.inFlight.Wait)
+	if p.tracker == nil {
+		if err != nil {
+			return publisherStop{}, fmt.Errorf("sqlbroker: publisher close: publishes still running in the caller's transaction: %w", err)
+		}
+		return publisherStop{}, nil
+	}
+	// 3.
+	var due []string
 	p.notifyMu.Lock()
+	p.notifyClosed = true
 	for table, t := range p.notifyTimers {
-		t.Stop()
+		if t.Stop() {
+			due = append(due, table)
+			p.timers.Done()
+		}
 		delete(p.notifyTimers, table)
 	}
 	p.notifyMu.Unlock()
+	for _, table := range due {
+		p.notify(ctx, table)
+	}
+	// 4.
+	res := p.tracker.Stop(ctx)
+	// 5. The statements have returned (or were given up on, their connections closed): what
+	// is left of the calls that ran them is no database work.
+	wctx, cancel := context.WithTimeout(context.Background(), dbx.CancelWait)
+	defer cancel()
+	done := waitCtx(wctx, func() { p.inFlight.Wait(); p.timers.Wait() })
+	stop := publisherStop{cancelled: int(p.stopCancelled.Load())}
+	for _, n := range res.Abandoned {
+		stop.abandoned += n
+	}
+	if err != nil {
+		return stop, fmt.Errorf("sqlbroker: publisher close: publishes still running were cancelled: %w", err)
+	}
+	if done != nil {
+		return stop, fmt.Errorf("sqlbroker: publisher close: %w", done)
+	}
+	return stop, nil
+}
+
+// waitCtx runs wait (a WaitGroup's Wait) and returns nil when it returns, or ctx's error when
+// ctx ends first.
+func waitCtx(ctx context.Context, wait func()) error {
 	done := make(chan struct{})
 	go func() {
-		p.inFlight.Wait()
+		wait()
 		close(done)
 	}()
 	select {
 	case <-done:
 		return nil
 	case <-ctx.Done():
-		// Grouped statements still running are cancelled, so that none commits after this.
-		p.cancelBase()
-		return fmt.Errorf("sqlbroker: publisher close: publishes still running: %w", ctx.Err())
+		return ctx.Err()
 	}
+}
+
+// run runs fn through the tracker (see dbx.Tracker.Run) and counts the statements that the
+// tracker's Stop cancelled on the server. It returns before the WaitGroup of the call that
+// runs it is released, so that shutdown reads a complete count.
+func (p *Publisher) run(ctx context.Context, kind string, limit time.Duration, fn func(context.Context, dbx.Querier) error) error {
+	err := p.tracker.Run(ctx, kind, limit, fn)
+	if err != nil && errors.Is(err, dbx.ErrStopped) && dbx.SQLState(err) == dbx.CodeQueryCanceled {
+		p.stopCancelled.Add(1)
+	}
+	return err
 }

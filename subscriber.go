@@ -325,6 +325,9 @@ type subscription struct {
 	// loopsEnded is closed once the loops ended: in lease mode no goroutine of the
 	// subscription runs from then on.
 	loopsEnded chan struct{}
+	// finished is closed once every goroutine of the subscription has done its last work (the
+	// loops, the awaits of deliveries, the subscription's removal from its subscriber).
+	finished chan struct{}
 }
 
 // delivery is one claimed message.
@@ -367,6 +370,7 @@ func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, g
 		settleQuit: make(chan struct{}),
 		stopExt:    make(chan struct{}),
 		loopsEnded: make(chan struct{}),
+		finished:   make(chan struct{}),
 	}
 	sub.held = make(chan struct{}, s.config.MaxInFlight+sub.prefetch)
 	sub.ready = make(chan *delivery, s.config.MaxInFlight+sub.prefetch)
@@ -394,8 +398,13 @@ func (sub *subscription) start() {
 	}()
 	go func() {
 		sub.wg.Wait()
+		sub.awaits.Wait()
+		if sub.adv != nil {
+			<-sub.adv.idle
+		}
 		sub.unreg()
 		sub.s.removeSubscription(sub)
+		close(sub.finished)
 	}()
 }
 

@@ -22,9 +22,17 @@ func newTopics(schema, prefix string, asyncCommit bool) *topics {
 	return &topics{schema: schema, prefix: prefix, asyncCommit: asyncCommit, ready: map[string]*offsets.Store{}}
 }
 
+// cached returns the statements of topic when an earlier call of store has checked its tables.
+func (t *topics) cached(topic string) *offsets.Store {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.ready[topic]
+}
+
 // store validates topic and returns its statements. The first call for a topic creates the
-// tables (initialize) or checks that they exist with this schema version.
-func (t *topics) store(ctx context.Context, pool dbx.Pool, q dbx.Querier, topic string, initialize bool) (*offsets.Store, error) {
+// tables (initialize) or checks that they exist with this schema version: through pool (a
+// pool or one of its connections), or q alone inside a caller's transaction (pool nil).
+func (t *topics) store(ctx context.Context, pool dbx.Beginner, q dbx.Querier, topic string, initialize bool) (*offsets.Store, error) {
 	if err := ident.ValidateName("topic", topic); err != nil {
 		return nil, err
 	}
@@ -40,8 +48,16 @@ func (t *topics) store(ctx context.Context, pool dbx.Pool, q dbx.Querier, topic 
 	case initialize && pool != nil:
 		err = tables.Create(ctx, pool)
 	case initialize:
-		// Inside the caller's transaction: the DDL joins it.
-		err = tables.CreateIn(ctx, q)
+		// Inside the caller's transaction, the catalog is read first, as on a pool: the DDL
+		// takes table locks (CREATE INDEX IF NOT EXISTS a SHARE lock, COMMENT ON a SHARE
+		// UPDATE EXCLUSIVE one) and the schema advisory lock, all held until the caller
+		// commits, so every other writer of the topic would wait for that commit, and two
+		// transactions touching topics in opposite orders could deadlock. Only missing
+		// tables are created, and then the DDL joins the caller's transaction.
+		err = tables.Check(ctx, q)
+		if offsets.IsMissing(err) {
+			err = tables.CreateIn(ctx, q)
+		}
 	default:
 		err = tables.Check(ctx, q)
 	}

@@ -273,9 +273,10 @@ func TestShutdown_S9_advisoryLocksReleased(t *testing.T) {
 				assert.ErrorIs(t, context.Cause(m.Context()), sqlbroker.ErrClosed)
 			}
 
-			// S5: a settlement after Shutdown is refused: not applied, counted.
+			// S5, S11: a settlement after Shutdown returned is not applied, and nothing of the
+			// subscriber waits for it.
 			inWork[0].Ack()
-			testdb.Eventually(t, 5*time.Second, "late ack refused", func() bool { return sub.Stats().StaleSettlements == 1 })
+			time.Sleep(200 * time.Millisecond) // what is asserted is that nothing happens
 			assert.EqualValues(t, 0, sub.Stats().Acked)
 			assert.Equal(t, n, claimRows(t, topic))
 

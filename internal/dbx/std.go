@@ -266,7 +266,33 @@ func (c *stdConn) Begin(ctx context.Context) (Tx, error) {
 	if err != nil {
 		return nil, err
 	}
-	return stdTx{stdQ{tx}, tx}, nil
+	if c.untracked {
+		return stdTx{stdQ{tx}, tx}, nil
+	}
+	return stdConnTx{stdTx{stdQ{tx}, tx}, c}, nil
+}
+
+// stdConnTx is a transaction on a tracked connection: its statements run under the
+// connection's own context too, so that Cancel reaches them.
+type stdConnTx struct {
+	stdTx
+	c *stdConn
+}
+
+func (t stdConnTx) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	ctx, done := t.c.track(ctx)
+	defer done()
+	return t.stdTx.Exec(ctx, query, args...)
+}
+
+func (t stdConnTx) Query(ctx context.Context, query string, args ...any) (Rows, error) {
+	ctx, done := t.c.track(ctx)
+	rows, err := t.stdTx.Query(ctx, query, args...)
+	if err != nil {
+		done()
+		return nil, err
+	}
+	return &trackedRows{Rows: rows, done: done}, nil
 }
 
 // pids remembers the backend pid of each driver connection database/sql has handed out, so

@@ -64,7 +64,11 @@ var (
 // ctx ends, limit passes or the tracker stops while fn runs, a cancel request is sent for the
 // connection's backend and Run waits for fn to return the server's answer; the error then
 // wraps the reason (ctx's cause, ErrLimit or ErrStopped) and the server's error. fn must read
-// every row it asks for before it returns. kind names the statement in Stop's counts.
+// every row it asks for before it returns. kind names the statement in Stop's counts. A limit
+// of 0 or less sets no time limit: ctx and Stop bound the statement. q is the connection
+// itself: fn may run a transaction on it (q is a Beginner too); a cancel reaches whichever
+// of its statements is running, and a statement that starts after the cancel was sent is not
+// cancelled again.
 func (t *Tracker) Run(ctx context.Context, kind string, limit time.Duration, fn func(ctx context.Context, q Querier) error) error {
 	return t.RunConn(ctx, kind, limit, func(ctx context.Context, c Conn) error { return fn(ctx, c) })
 }
@@ -81,7 +85,10 @@ func (t *Tracker) RunConn(ctx context.Context, kind string, limit time.Duration,
 	t.mu.Unlock()
 	defer t.wg.Done()
 
-	actx, acancel := context.WithTimeoutCause(ctx, limit, ErrLimit)
+	actx, acancel := context.WithCancel(ctx)
+	if limit > 0 {
+		actx, acancel = context.WithTimeoutCause(ctx, limit, ErrLimit)
+	}
 	stopAcq := context.AfterFunc(t.stopCtx, func() { acancel() })
 	conn, err := t.pool.Acquire(actx)
 	stopAcq()
@@ -95,7 +102,10 @@ func (t *Tracker) RunConn(ctx context.Context, kind string, limit time.Duration,
 
 	// The last resort: a server that answers neither the statement nor its cancel (a dead
 	// network). The statement's context then ends and the driver closes the connection.
-	qctx, qcancel := context.WithTimeout(context.WithoutCancel(ctx), limit+CleanupTimeout)
+	qctx, qcancel := context.WithCancel(context.WithoutCancel(ctx))
+	if limit > 0 {
+		qctx, qcancel = context.WithTimeout(context.WithoutCancel(ctx), limit+CleanupTimeout)
+	}
 	defer qcancel()
 	c := &call{kind: kind, conn: conn, abort: qcancel}
 	t.mu.Lock()
@@ -139,8 +149,10 @@ func (t *Tracker) RunConn(ctx context.Context, kind string, limit time.Duration,
 		context.AfterFunc(ctx, func() { trigger(context.Cause(ctx)) }),
 		context.AfterFunc(t.stopCtx, func() { trigger(ErrStopped) }),
 	}
-	timer := time.AfterFunc(limit, func() { trigger(ErrLimit) })
-	stops = append(stops, timer.Stop)
+	if limit > 0 {
+		timer := time.AfterFunc(limit, func() { trigger(ErrLimit) })
+		stops = append(stops, timer.Stop)
+	}
 
 	err = fn(qctx, conn)
 	for _, stop := range stops {
