@@ -751,6 +751,9 @@ func printTotals(t *testing.T, tot totals, fig recovery) {
 	fmt.Fprintf(&b, "unexplained refusals    %d (of %d refused or not applied in the history)\n", tot.main.unexplainedRefusals, tot.main.refusals)
 	fmt.Fprintf(&b, "unexplained duplicates  %d\n", tot.main.unexplainedDuplicates)
 	fmt.Fprintf(&b, "unexplained lost claims %d (of %d)\n", tot.main.unexplainedLosses, tot.main.losses)
+	if tot.main.lockConns > 0 {
+		fmt.Fprintf(&b, "lock connections failed %d (%d without a fault of the test: the library closed them itself)\n", tot.main.lockConns, tot.main.lockConnsAlone)
+	}
 	fmt.Fprintf(&b, "explained by\n%s", fmtWhy(tot.main.byWhy))
 	fmt.Fprintf(&b, "faults injected         %d SIGKILL+restart, %d SIGSTOP for %s then SIGCONT, %d backends terminated, %d xmin holds of 3s, 1 pool of 2 connections for 32 in flight, handlers panicking/nacking/timing out on ~9%% of messages\n", tot.kills, tot.freezes, leaseTTL+time.Second, tot.terminated, tot.xminHolds)
 	fmt.Fprintf(&b, "table locks             %d LOCK TABLE ... IN ACCESS EXCLUSIVE MODE of the topic's tables held %s (%d of them during a clean stop of %v, and one during the final stop of every consumer); %d ALTER TABLE ... ADD COLUMN queued %s behind a reading transaction, with %v library statements queued behind them\n",

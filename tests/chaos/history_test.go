@@ -53,6 +53,7 @@ type checker struct {
 // verdict is the outcome of the check for one fleet's results.
 type verdict struct {
 	refusals, losses, duplicates int
+	lockConns, lockConnsAlone    int // lock connections that failed; of them, not explained by a fault
 	byWhy                        map[string]int // explained refusals, losses and duplicates, by reason
 	unexplained                  []string       // each with its history
 	unexplainedRefusals          int
@@ -240,6 +241,13 @@ func (c *checker) check(t *testing.T, name, results string) verdict {
 			} else {
 				v.unexplainedRefusals++
 				v.unexplained = append(v.unexplained, c.story(t, fmt.Sprintf("unexplained %s %s", e.Kind, e.Op), e.Offset, results))
+			}
+		case evLockConn:
+			// A lock connection that failed without a fault loses no claim when it held no
+			// lock; one that held locks shows as lost claims, which must be explained.
+			v.lockConns++
+			if _, ok := c.lockConn(e); !ok {
+				v.lockConnsAlone++
 			}
 		case evLeaseLost, evLockLost:
 			v.losses++
