@@ -2,10 +2,16 @@
 SQLBROKER_TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 export SQLBROKER_TEST_POSTGRES_URL
 
-.PHONY: test test-race test-universal test-reconnect chaos-soak fuzz bench example
+.PHONY: test test-race test-universal test-reconnect pgbouncer chaos-soak fuzz bench example
 
 # Everything CI runs.
-test: test-race test-universal test-reconnect
+test: pgbouncer test-race test-universal test-reconnect
+
+# Two PgBouncers in front of the test database (session pooling on 6432, transaction pooling
+# on 6433) for the pooler tests of ./tests; the script installs Debian's pgbouncer when it can.
+# Without them those tests are skipped, except in CI (CI=true), where they fail.
+pgbouncer:
+	@bash .ci/pgbouncer.sh || echo "PgBouncer not started: the PgBouncer tests will be skipped (CI fails them)"
 
 # Every package under the race detector, one package at a time (the chaos suite holds the
 # xmin horizon back and terminates connections: run beside the others it would slow them

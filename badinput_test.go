@@ -63,11 +63,11 @@ func TestSubscriber_subscribeWithCancelledContext(t *testing.T) {
 	receive(t, live, 10*time.Second).Ack()
 }
 
-// Lease mode, Ack after Close: a delivery still in work at Close keeps its lease (S4). An ack
-// that comes while the lease holds is applied (TestSubscriber_M5_closeReleasesAndReports); an
-// ack that comes after the lease ran out is not applied: the subscriber has given the delivery
-// up, the message goes to another consumer of the group with its attempt count raised, and the
-// late ack changes nothing in the database and counts as no ack.
+// Lease mode, Ack after Close: a delivery still in work at Close keeps its lease, which runs
+// out (S4). An ack after Close is not applied, whether it comes while the lease holds or
+// after: nothing of the subscriber waits for it any more (S11), the message goes to another
+// consumer of the group with its attempt count raised, and the late ack changes nothing in
+// the database and counts as no ack.
 func TestSubscriber_ackAfterCloseAndLease(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -80,6 +80,10 @@ func TestSubscriber_ackAfterCloseAndLease(t *testing.T) {
 	m := receive(t, msgs, 10*time.Second)
 	require.NoError(t, sub.Close())
 	assert.ErrorIs(t, context.Cause(m.Context()), sqlbroker.ErrClosed)
+	m.Ack() // after Close, within the lease: not applied
+	holds(t, 500*time.Millisecond, "the ack after Close not applied", func() bool {
+		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token <> 0") == 1
+	})
 
 	// Another consumer takes the message once the lease ran out.
 	next := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
@@ -89,7 +93,6 @@ func TestSubscriber_ackAfterCloseAndLease(t *testing.T) {
 	assert.Equal(t, sent[0].UUID, m2.UUID)
 	assert.Equal(t, "2", m2.Metadata.Get(sqlbroker.MetadataAttempt))
 
-	m.Ack() // after Close and after the lease: not applied
 	noMessage(t, again, 300*time.Millisecond)
 	assert.Equal(t, int64(0), sub.Stats().Acked, "an ack after the lease ran out was applied")
 	assert.Equal(t, 1, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims), "the late ack settled the new holder's claim")

@@ -3,8 +3,11 @@ package sqlbroker
 import (
 	"context"
 	"errors"
-	"github.com/ThreeDotsLabs/watermill"
 	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 )
 
 // CloseReport says what a shutdown did. Its figures count what the shutdown itself did, so a
@@ -20,12 +23,32 @@ type CloseReport struct {
 	ClaimsReleased int
 	// DeliveriesInWork is the number of messages handed to handlers and not yet settled.
 	DeliveriesInWork int
-	// QueriesCancelled is the number of claim statements that were running when their
-	// subscription stopped, that the server was asked to cancel, and whose end and rollback
-	// the shutdown waited for (S3).
+	// QueriesCancelled is the number of the library's statements that were running when the
+	// shutdown stopped them, that the server was asked to cancel, and whose end and rollback
+	// the shutdown waited for: the sum of the five counts below.
 	QueriesCancelled int
+	// ClaimStatementsCancelled counts the claim statements among QueriesCancelled.
+	ClaimStatementsCancelled int
+	// SettlementStatementsCancelled counts the ack and nack statements among QueriesCancelled.
+	SettlementStatementsCancelled int
+	// ExtensionStatementsCancelled counts the lease extensions among QueriesCancelled.
+	ExtensionStatementsCancelled int
+	// ReleaseStatementsCancelled counts the statements giving back claims among QueriesCancelled.
+	ReleaseStatementsCancelled int
+	// OtherStatementsCancelled counts the rest of QueriesCancelled: deletes of settled messages
+	// (Retention) and looks for the server process of a claim cut off by the network.
+	OtherStatementsCancelled int
+	// StatementsAbandoned is the number of statements whose end the server did not confirm
+	// within a second of the cancel, once ctx had ended: their connections were closed, and the
+	// server ends them when it notices.
+	StatementsAbandoned int
+	// SettlementsNotApplied is the number of acks and nacks made before the shutdown ended that
+	// it did not apply (ctx ended first, or the database failed): in lease mode those messages
+	// return when their leases run out, in advisory mode once their locks are released.
+	SettlementsNotApplied int
 	// LeasesLeft is the number of lease-mode deliveries in work whose leases were left to run
-	// out: settled before then, the settlement applies; otherwise the message returns (S4).
+	// out: their messages return to the queue then. An ack or nack that comes after Shutdown
+	// returned is not applied.
 	LeasesLeft int
 	// Duration is how long the shutdown took.
 	Duration time.Duration
@@ -40,6 +63,13 @@ func (r *CloseReport) add(o CloseReport) {
 	r.DeliveriesInWork += o.DeliveriesInWork
 	r.LeasesLeft += o.LeasesLeft
 	r.QueriesCancelled += o.QueriesCancelled
+	r.ClaimStatementsCancelled += o.ClaimStatementsCancelled
+	r.SettlementStatementsCancelled += o.SettlementStatementsCancelled
+	r.ExtensionStatementsCancelled += o.ExtensionStatementsCancelled
+	r.ReleaseStatementsCancelled += o.ReleaseStatementsCancelled
+	r.OtherStatementsCancelled += o.OtherStatementsCancelled
+	r.StatementsAbandoned += o.StatementsAbandoned
+	r.SettlementsNotApplied += o.SettlementsNotApplied
 }
 
 func joinErrors(errs []error) error {
@@ -52,19 +82,33 @@ func joinErrors(errs []error) error {
 // Shutdown stops the subscriber, bounded by ctx like http.Server.Shutdown: it returns ctx's
 // error when ctx ends first, and the report of what it had done by then.
 //
+// Every statement the subscriber has in flight (claim, ack, nack, lease extension, release,
+// delete of settled messages) either finishes or is cancelled on the server, and Shutdown
+// waits for the server to end it before it returns. While ctx allows, the steps below finish
+// their statements. When ctx ends first, Shutdown cancels on the server every statement still
+// running (or still waiting for a connection of the pool) and waits up to one more second for
+// the server to end them; a statement the server has not ended by then is given up on, its
+// connection closed (which takes up to another second), and counted in StatementsAbandoned.
+// After Shutdown returns, no goroutine of the subscriber runs, nothing is logged, no
+// connection is opened, and no statement of the subscriber runs or waits on the server.
+//
 // The order, each step finishing before the next starts:
 //  1. No new Subscribe: it returns ErrClosed from now on.
 //  2. Every subscription stops claiming; claims not yet handed to a handler are given back at
-//     once (in advisory mode, their locks dropped), and the output channels are closed (M5).
+//     once (in advisory mode, their locks dropped), and the output channels are closed.
 //  3. Settlements already made by handlers (acked or nacked) are applied.
-//  4. Lease extension stops (S2); the contexts of messages still in work are cancelled with
+//  4. Lease extension stops; the contexts of messages still in work are cancelled with
 //     ErrClosed as their cause.
-//  5. Lease mode: deliveries still in work keep their leases, which run out unless the
-//     delivery settles first (S4).
+//  5. Lease mode: deliveries still in work keep their leases, which run out: an ack or nack
+//     made after Shutdown returned is not applied, and the message returns to the queue once
+//     its lease has run out (LeasesLeft).
 //  6. Advisory mode: settlements already in flight finish, then the lock of every delivery
-//     still in work is released and the lock connections close (S5); a later settlement is
+//     still in work is released and the lock connections close; a later settlement is
 //     refused. LocksReleased counts the locks of steps 2 and 6, ConnectionsClosed the
-//     connections closed (S9).
+//     connections closed.
+//  7. The subscriptions' loops end; statements still running are cancelled on the server as
+//     described above, and settlements that could not be applied are given up
+//     (SettlementsNotApplied).
 //
 // Shutdown is idempotent: later and concurrent calls wait for the first one and return its
 // report and error.
@@ -82,28 +126,32 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 	// 1. Refuse new subscriptions.
 	s.closed = true
 	subs := make([]*subscription, 0, len(s.subs))
+	alone := map[*subscription]bool{} // under a Router's hook: stopped before, not by its closing
 	for sub := range s.subs {
 		subs = append(subs, sub)
+		if sub.stoppedAlone() {
+			alone[sub] = true
+		}
 	}
+	// Under a Router's hook, subscriptions that the Router's closing stopped and that ended
+	// before now: what their stop did is part of this shutdown.
+	rep := s.stoppedByRouter
 	s.mu.Unlock()
 	start := time.Now()
+	cancelledBefore, closedBefore := s.tracker.Cancelled(), s.tracker.Closed()
 	close(s.shutdown)
 
-	var rep CloseReport
 	var err error
-	rep.Subscriptions = len(subs)
+	rep.Subscriptions += len(subs) - len(alone)
 
-	// 2. Stop claiming, give back what was not handed out, close the channels.
+	// 2. Stop claiming, give back what was not handed out, close the channels. A claim
+	// running, or waiting for a connection, is cancelled on the server and awaited.
 	for _, sub := range subs {
 		sub.cancel(ErrClosed)
 	}
 	for _, sub := range subs {
 		select {
 		case <-sub.claimDone:
-			rep.ClaimsReleased += int(sub.releasedAtStop.Load())
-			rep.LocksReleased += int(sub.unlockedAtStop.Load())
-			rep.QueriesCancelled += int(sub.queriesCancelled.Load())
-			rep.ConnectionsClosed += int(sub.connsClosed.Load())
 		case <-ctx.Done():
 			err = ctx.Err()
 		}
@@ -117,7 +165,8 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		}
 	}
 
-	// 4. Stop extending leases; end the contexts of messages in work.
+	// 4. Stop extending leases and waiting for settlements; end the contexts of messages in
+	// work.
 	for _, sub := range subs {
 		close(sub.stopExt)
 		sub.mu.Lock()
@@ -128,14 +177,11 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		sub.mu.Unlock()
 	}
 
-	// 5. Lease mode: deliveries in work keep their leases.
-	if s.config.ClaimMode == ClaimLease {
-		rep.LeasesLeft = rep.DeliveriesInWork
-	}
+	// 5. Lease mode: deliveries in work keep their leases (counted once the loops ended).
 
 	// 6. Advisory mode: settlements already in flight finish; then the lock of every delivery
-	//    still in work is released and the lock connections are closed (S5). A settlement
-	//    that comes later is refused, counted and logged with ErrClosed.
+	//    still in work is released and the lock connections are closed. A settlement that
+	//    comes later is refused, counted and logged with ErrClosed.
 	for _, sub := range subs {
 		if sub.adv == nil {
 			continue
@@ -146,13 +192,69 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 		if aerr != nil && err == nil {
 			err = aerr
 		}
+		close(sub.settleQuit) // no settlement is queued any more
 	}
+
+	// 7. Let the loops end while ctx allows; then cancel on the server what still runs, wait
+	// for the server's answers, and for the loops, which have nothing left to wait for.
+	for _, sub := range subs {
+		select {
+		case <-sub.loopsEnded:
+		case <-ctx.Done():
+			if err == nil {
+				err = ctx.Err()
+			}
+		}
+	}
+	stop := s.tracker.Stop(ctx)
+	grace := time.NewTimer(dbx.CancelWait)
+	defer grace.Stop()
+	for _, sub := range subs {
+		select {
+		case <-sub.loopsEnded:
+		case <-grace.C:
+		}
+	}
+
+	for _, sub := range subs {
+		rep.SettlementsNotApplied += int(sub.notApplied.Load())
+		if alone[sub] {
+			continue // what its own stop did is not this shutdown's
+		}
+		rep.ClaimsReleased += int(sub.releasedAtStop.Load())
+		rep.LocksReleased += int(sub.unlockedAtStop.Load())
+		rep.ConnectionsClosed += int(sub.connsClosed.Load())
+		rep.QueriesCancelled += int(sub.lockClaimsCancelled.Load())
+		rep.ClaimStatementsCancelled += int(sub.lockClaimsCancelled.Load())
+		if sub.adv == nil {
+			rep.LeasesLeft += sub.leasesLeft()
+		}
+	}
+	for kind, n := range stop.Cancelled {
+		n -= cancelledBefore[kind]
+		rep.QueriesCancelled += n
+		switch kind {
+		case stmtClaim:
+			rep.ClaimStatementsCancelled += n
+		case stmtAck, stmtNack:
+			rep.SettlementStatementsCancelled += n
+		case stmtExtend:
+			rep.ExtensionStatementsCancelled += n
+		case stmtRelease:
+			rep.ReleaseStatementsCancelled += n
+		default:
+			rep.OtherStatementsCancelled += n
+		}
+	}
+	for _, n := range stop.Abandoned {
+		rep.StatementsAbandoned += n
+	}
+	rep.ConnectionsClosed += s.tracker.Closed() - closedBefore
 
 	rep.Duration = time.Since(start)
 	s.mu.Lock()
 	s.report, s.err = rep, err
 	s.mu.Unlock()
-	close(s.done)
 	if err == nil {
 		s.logger.Info("Subscriber shut down", watermill.LogFields{
 			"subscriptions": rep.Subscriptions, "claims_released": rep.ClaimsReleased,
@@ -160,7 +262,24 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 			"connections_closed": rep.ConnectionsClosed, "duration": rep.Duration,
 		})
 	}
+	close(s.done)
 	return rep, err
+}
+
+// leasesLeft is the number of lease-mode deliveries whose leases Shutdown left to run out:
+// those still in work with their lease, and those whose settlement it gave up.
+func (sub *subscription) leasesLeft() int {
+	n := int(sub.notApplied.Load())
+	sub.mu.Lock()
+	defer sub.mu.Unlock()
+	for _, d := range sub.inWork {
+		d.mu.Lock()
+		if !d.lost {
+			n++
+		}
+		d.mu.Unlock()
+	}
+	return n
 }
 
 // waitSettling waits until no delivery in work has been acked or nacked without its

@@ -46,6 +46,7 @@ const (
 	DefaultRetryInterval      = time.Second
 	DefaultCloseTimeout       = 30 * time.Second
 	DefaultLockCheckInterval  = time.Second
+	DefaultLockWaitTimeout    = 2 * time.Second
 	DefaultMaxPayloadBytes    = 64 << 20
 	DefaultNotifyDebounce     = 5 * time.Millisecond
 	DefaultMaxGroupRows       = 1000
@@ -175,7 +176,12 @@ type SubscriberConfig struct {
 	// most MaxInFlight + BatchSize advisory locks (A6), and, for a moment during an orphan
 	// search, the locks of up to 256 orphans beyond that, dropped at once. With 1, and one
 	// subscriber in the group, messages arrive in the commit order of their publishers, and
-	// nothing is claimed ahead. Defaults to DefaultMaxInFlight.
+	// nothing is claimed ahead. A handler that never returns keeps its place and (in lease
+	// mode, extended) its claim until Shutdown: the library cannot stop a goroutine, freeing
+	// its place would run more than MaxInFlight handlers, and dropping its claim while it runs
+	// would hand the message to a second consumer at the same time; bound handlers with their
+	// message's context (Watermill's middleware.Timeout sets its deadline) and make them honour
+	// it. Defaults to DefaultMaxInFlight.
 	MaxInFlight int
 
 	// BatchSize bounds the messages claimed in one round trip; with MaxInFlight above 1 it is
@@ -194,8 +200,12 @@ type SubscriberConfig struct {
 	// DefaultLeaseTTL.
 	LeaseTTL time.Duration
 
-	// LeaseRenewInterval is how often the leases of messages in work are extended. Defaults
-	// to LeaseTTL/3.
+	// LeaseRenewInterval is how often the leases of messages in work are extended. An
+	// extension that cannot run meanwhile (blocked on a table lock, a slow server) is
+	// cancelled on the server once this long has passed, and tried again at the next
+	// interval; a lease whose deadline has passed before an extension succeeded is lost: the
+	// message's context is cancelled with ErrLeaseLost, and its settlement is refused if
+	// another consumer took the message. Defaults to LeaseTTL/3.
 	LeaseRenewInterval time.Duration
 
 	// NackBackoff is how long a nacked message waits before it can be claimed again. Defaults
@@ -230,6 +240,14 @@ type SubscriberConfig struct {
 	// out that it died (and its locks with it) and open it again. Defaults to
 	// DefaultLockCheckInterval.
 	LockCheckInterval time.Duration
+
+	// LockWaitTimeout is how long a statement on the advisory mode's lock connection waits for
+	// a table or row lock that another session holds (a migration's ALTER TABLE, a CREATE
+	// INDEX without CONCURRENTLY, a VACUUM FULL) before the server ends it: the session's
+	// lock_timeout. A claim ended so takes nothing and is tried again after RetryInterval; the
+	// lock connection and the locks of the deliveries in work stay. Defaults to
+	// DefaultLockWaitTimeout.
+	LockWaitTimeout time.Duration
 }
 
 func (c *SubscriberConfig) setDefaults() {
@@ -266,6 +284,9 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.LockCheckInterval == 0 {
 		c.LockCheckInterval = DefaultLockCheckInterval
 	}
+	if c.LockWaitTimeout == 0 {
+		c.LockWaitTimeout = DefaultLockWaitTimeout
+	}
 }
 
 func (c *SubscriberConfig) validate() error {
@@ -297,7 +318,7 @@ func (c *SubscriberConfig) validate() error {
 		{"PollInterval", c.PollInterval}, {"LeaseTTL", c.LeaseTTL}, {"LeaseRenewInterval", c.LeaseRenewInterval},
 		{"NackBackoff", c.NackBackoff}, {"RetryInterval", c.RetryInterval}, {"CloseTimeout", c.CloseTimeout},
 		{"Retention", c.Retention},
-		{"LockCheckInterval", c.LockCheckInterval},
+		{"LockCheckInterval", c.LockCheckInterval}, {"LockWaitTimeout", c.LockWaitTimeout},
 	}
 	for _, d := range durations {
 		if d.v < 0 {

@@ -46,9 +46,24 @@ type Subscriber struct {
 	report   CloseReport
 	err      error
 
-	stats subscriberStats
-	hook  atomic.Pointer[RouterHook] // set when a Router's hook owns the shutdown
+	stats   subscriberStats
+	hook    atomic.Pointer[RouterHook] // set when a Router's hook owns the shutdown
+	tracker *dbx.Tracker               // every statement of the subscriptions on the pool
+
+	stoppedByRouter CloseReport // guarded by mu: subscriptions that ended as the Router closed
 }
+
+// Kinds of the statements a subscription runs through its subscriber's tracker, as
+// Shutdown counts them.
+const (
+	stmtClaim   = "claim"
+	stmtAck     = "ack"
+	stmtNack    = "nack"
+	stmtExtend  = "extend"
+	stmtRelease = "release"
+	stmtPrune   = "prune"
+	stmtBackend = "backend" // the look for a failed claim's server process
+)
 
 var (
 	_ message.Subscriber           = (*Subscriber)(nil)
@@ -94,6 +109,7 @@ func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapte
 		subs:     map[*subscription]struct{}{},
 		shutdown: make(chan struct{}),
 		done:     make(chan struct{}),
+		tracker:  dbx.NewTracker(db.pool),
 	}, nil
 }
 
@@ -145,7 +161,8 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if err != nil {
 		return nil, err
 	}
-	if h := s.hook.Load(); h != nil {
+	if h := s.hook.Load(); h != nil && h.isRouterSubscription(ctx) {
+		sub.routerSub.Store(true)
 		return h.relay(sub), nil
 	}
 	return sub.out, nil
@@ -208,7 +225,8 @@ func (s *Subscriber) stopSubscriptions() {
 // Under a RouterHook, Close stops the subscriptions only (as the Router calls it when it
 // begins to close), and the hook runs the shutdown once the handlers have drained.
 func (s *Subscriber) Close() error {
-	if s.hook.Load() != nil && !s.isDone() {
+	if h := s.hook.Load(); h != nil && !s.isDone() {
+		h.closeBegun()
 		s.stopSubscriptions()
 		return nil
 	}
@@ -228,9 +246,32 @@ func (s *Subscriber) isDone() bool {
 }
 
 func (s *Subscriber) removeSubscription(sub *subscription) {
+	h := s.hook.Load()
 	s.mu.Lock()
 	delete(s.subs, sub)
+	if h != nil && !s.closed && !sub.stoppedAlone() && h.routerClosing() {
+		// It stopped with the Router's closing, before Shutdown: Shutdown counts it.
+		s.stoppedByRouter.add(sub.stopReport())
+	}
 	s.mu.Unlock()
+	if h != nil {
+		h.forget(sub)
+	}
+}
+
+// stopReport is what the stop of sub did by itself: the claims it gave back, their locks and
+// the connections it closed, and the claim rounds on its lock connection it cancelled. (The
+// statements on the pool it cancelled are counted by the tracker.)
+func (sub *subscription) stopReport() CloseReport {
+	return CloseReport{
+		Subscriptions:     1,
+		ClaimsReleased:    int(sub.releasedAtStop.Load()),
+		LocksReleased:     int(sub.unlockedAtStop.Load()),
+		ConnectionsClosed: int(sub.connsClosed.Load()),
+
+		QueriesCancelled:         int(sub.lockClaimsCancelled.Load()),
+		ClaimStatementsCancelled: int(sub.lockClaimsCancelled.Load()),
+	}
 }
 
 func validateTopic(topic string) error { return ident.ValidateName("topic", topic) }
@@ -259,21 +300,31 @@ type subscription struct {
 	mu     sync.Mutex
 	inWork map[int64]*delivery // claimed and not yet settled or given up
 
-	releasedAtStop   atomic.Int64 // claims given back when the subscription stopped
-	unlockedAtStop   atomic.Int64 // advisory locks of those claims dropped then
-	queriesCancelled atomic.Int64 // claim statements cancelled on the server and awaited (S3)
-	connsClosed      atomic.Int64 // connections a cancel closed (lib/pq closes them)
+	releasedAtStop atomic.Int64 // claims given back when the subscription stopped
+	unlockedAtStop atomic.Int64 // advisory locks of those claims dropped then
+	connsClosed    atomic.Int64 // the LISTEN connection, when the subscription's stop closed it
+	notApplied     atomic.Int64 // settlements given up on because the subscriber shut down
+	// lockClaimsCancelled counts the advisory claim rounds on the lock connection that the
+	// server cancelled as the subscription stopped (the pool's statements are the tracker's).
+	lockClaimsCancelled atomic.Int64
+	routerSub           atomic.Bool // taken by a handler of a hooked Router
+	alone               atomic.Bool // a Router subscription that stopped while the Router ran on
 
 	adv *advisoryState // advisory-lock mode only (subscriber_advisory.go)
 
 	dueAt atomic.Int64 // UnixNano from when a claim of this subscription is due again; 0: none
 
-	settleCh chan settlement
-	awaits   sync.WaitGroup // await goroutines; settleCh closes when they are all done
+	settleCh   chan settlement
+	awaits     sync.WaitGroup // await goroutines; settleCh closes when they are all done
+	settleQuit chan struct{}  // closed by Shutdown once no settlement can be queued any more
 
-	claimDone chan struct{} // the claim loop ended and out is closed
-	stopExt   chan struct{} // closed by shutdown: stop extending leases
-	wg        sync.WaitGroup
+	claimDone chan struct{}  // the claim loop ended and out is closed
+	stopExt   chan struct{}  // closed by shutdown: stop extending leases, stop awaiting settlements
+	wg        sync.WaitGroup // every goroutine of the subscription but the await goroutines
+	loops     sync.WaitGroup // the subscription's loops (loop), which Shutdown waits for
+	// loopsEnded is closed once the loops ended: in lease mode no goroutine of the
+	// subscription runs from then on.
+	loopsEnded chan struct{}
 }
 
 // delivery is one claimed message.
@@ -304,16 +355,18 @@ func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, g
 			"consumer_group": s.config.ConsumerGroup,
 			"claim_mode":     s.config.ClaimMode.String(),
 		}),
-		ctx:       sctx,
-		cancel:    cancel,
-		msgCtx:    context.WithoutCancel(ctx),
-		out:       make(chan *message.Message),
-		slots:     make(chan struct{}, s.config.MaxInFlight),
-		prefetch:  prefetchFor(&s.config),
-		inWork:    map[int64]*delivery{},
-		claimDone: make(chan struct{}),
-		settleCh:  make(chan settlement, s.config.MaxInFlight),
-		stopExt:   make(chan struct{}),
+		ctx:        sctx,
+		cancel:     cancel,
+		msgCtx:     context.WithoutCancel(ctx),
+		out:        make(chan *message.Message),
+		slots:      make(chan struct{}, s.config.MaxInFlight),
+		prefetch:   prefetchFor(&s.config),
+		inWork:     map[int64]*delivery{},
+		claimDone:  make(chan struct{}),
+		settleCh:   make(chan settlement, s.config.MaxInFlight),
+		settleQuit: make(chan struct{}),
+		stopExt:    make(chan struct{}),
+		loopsEnded: make(chan struct{}),
 	}
 	sub.held = make(chan struct{}, s.config.MaxInFlight+sub.prefetch)
 	sub.ready = make(chan *delivery, s.config.MaxInFlight+sub.prefetch)
@@ -323,29 +376,56 @@ func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, g
 }
 
 func (sub *subscription) start() {
-	sub.wg.Add(4)
 	if sub.cfg.Retention > 0 {
-		sub.wg.Add(1)
-		go sub.pruneLoop()
+		sub.loop(sub.pruneLoop)
 	}
-	go sub.claimLoop()
-	go sub.handOutLoop()
+	sub.loop(sub.claimLoop)
+	sub.loop(sub.handOutLoop)
 	if sub.adv != nil {
+		sub.wg.Add(1)
 		go sub.adv.run()
 	} else {
-		go sub.extendLoop()
+		sub.loop(sub.extendLoop)
 	}
-	go sub.settleLoop()
+	sub.loop(sub.settleLoop)
+	sub.loop(sub.closeSettleCh)
 	go func() {
-		<-sub.claimDone
-		sub.awaits.Wait()
-		close(sub.settleCh)
+		sub.loops.Wait()
+		close(sub.loopsEnded)
 	}()
 	go func() {
 		sub.wg.Wait()
 		sub.unreg()
 		sub.s.removeSubscription(sub)
 	}()
+}
+
+// loop runs f as one of the subscription's loops, which Shutdown waits for.
+func (sub *subscription) loop(f func()) {
+	sub.wg.Add(1)
+	sub.loops.Add(1)
+	go func() {
+		defer sub.wg.Done()
+		defer sub.loops.Done()
+		f()
+	}()
+}
+
+// closeSettleCh closes settleCh once the claim loop has ended and no await goroutine is left
+// to queue a settlement; Shutdown's settleQuit ends it first in advisory mode, where an await
+// outlives the shutdown to refuse a late settlement.
+func (sub *subscription) closeSettleCh() {
+	<-sub.claimDone
+	awaited := make(chan struct{})
+	go func() {
+		sub.awaits.Wait()
+		close(awaited)
+	}()
+	select {
+	case <-awaited:
+		close(sub.settleCh)
+	case <-sub.settleQuit:
+	}
 }
 
 func (sub *subscription) inFlight() int {
@@ -400,7 +480,6 @@ func prefetchFor(c *SubscriberConfig) int {
 
 // claimLoop claims messages while claims may be held, and queues them for handOutLoop.
 func (sub *subscription) claimLoop() {
-	defer sub.wg.Done()
 	defer close(sub.ready)
 	defer func() {
 		if sub.unlisten() {
@@ -544,71 +623,35 @@ const claimTimeout = time.Minute
 
 // claim takes up to n messages in one short statement: no transaction is left open.
 //
-// The statement does not run under the subscription's context: a context cancelled in the
-// middle of a query makes the driver return at once while the server may still be running it
-// (pgx then closes the socket in the background), so the caller's error is not the server's
-// word. When the subscription stops during a claim, the server is asked to cancel that very
-// statement (a cancel request for its backend), and the claim returns only once the server
-// has ended it and rolled it back (S3).
+// The statement runs through the subscriber's tracker, never under the subscription's context
+// directly: a context cancelled in the middle of a query makes the driver return at once while
+// the server may still be running it (pgx then closes the socket in the background), so the
+// caller's error is not the server's word. When the subscription stops during a claim (or
+// while it waits for a connection of an exhausted pool), the server is asked to cancel that
+// very statement, and the claim returns only once the server has ended it and rolled it back
+// (S3, S11).
 func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
 	if sub.adv != nil {
 		return sub.adv.claim(buf, n, due)
 	}
 	token := rand.Int64N(1<<62) + 1
-	qctx, cancel := context.WithTimeout(context.WithoutCancel(sub.ctx), claimTimeout)
-	defer cancel()
 	if sub.ctx.Err() != nil {
 		return nil, 0, sub.ctx.Err()
 	}
-	conn, err := sub.s.db.Acquire(qctx)
-	if err != nil {
-		return nil, 0, err
-	}
-	// Known without a round trip on pgx, and asked once per connection on database/sql; 0
-	// if it cannot be had. dropUnsure needs it after the connection is gone.
-	pid, _ := conn.PID(qctx)
-	var cancelSent, connClosed atomic.Bool
-	cancelled := make(chan struct{})
-	stop := context.AfterFunc(sub.ctx, func() {
-		defer close(cancelled)
-		cctx, ccancel := dbx.CleanupContext(sub.ctx)
-		defer ccancel()
-		closes, err := conn.Cancel(cctx)
-		if err != nil {
-			sub.logger.Error("Cancelling the running claim failed", err, nil)
-			return
-		}
-		cancelSent.Store(true)
-		connClosed.Store(closes)
+	var pid uint32
+	claimed := buf
+	err := sub.s.tracker.RunConn(sub.ctx, stmtClaim, claimTimeout, func(ctx context.Context, conn dbx.Conn) error {
+		// Known without a round trip on pgx, and asked once per connection on database/sql;
+		// 0 if it cannot be had. dropUnsure needs it after the connection is gone.
+		pid, _ = conn.PID(ctx)
+		var err error
+		claimed, err = sub.store.Claim(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, due, buf)
+		return err
 	})
-	claimed, err := sub.store.Claim(qctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, due, buf)
-	if !stop() {
-		<-cancelled // hold the connection until the cancel has been sent
-	}
-	switch {
-	case !cancelSent.Load():
-		conn.Release()
-	case err != nil && dbx.SQLState(err) == dbx.CodeQueryCanceled:
-		// The server ended the statement and rolled it back.
-		sub.queriesCancelled.Add(1)
-		if connClosed.Load() {
-			sub.connsClosed.Add(1)
-		}
-		conn.Release()
-	default:
-		// The claim ended before the cancel arrived: make sure no cancel is left pending for
-		// the connection's next user.
-		pctx, pcancel := dbx.CleanupContext(sub.ctx)
-		if _, perr := conn.Exec(pctx, "SELECT 1"); perr != nil || connClosed.Load() {
-			conn.Destroy()
-			sub.connsClosed.Add(1)
-		} else {
-			conn.Release()
-		}
-		pcancel()
-	}
 	if err != nil && len(claimed) > 0 {
-		sub.dropUnsure(claimed, token, pid)
+		if dbx.SQLState(err) != dbx.CodeQueryCanceled {
+			sub.dropUnsure(claimed, token, pid)
+		} // else the server ended the statement and rolled it back: its claims never were
 		claimed = claimed[:0]
 	}
 	return claimed, token, err
@@ -645,7 +688,9 @@ func (sub *subscription) backendEnded(pid uint32) bool {
 	defer cancel()
 	for {
 		var alive bool
-		err := dbx.QueryRow(ctx, sub.s.db, "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", []any{int64(pid)}, &alive)
+		err := sub.s.tracker.Run(ctx, stmtBackend, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
+			return dbx.QueryRow(ctx, q, "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", []any{int64(pid)}, &alive)
+		})
 		if err == nil && !alive {
 			return true
 		}
@@ -657,6 +702,8 @@ func (sub *subscription) backendEnded(pid uint32) bool {
 		case <-time.After(pause):
 		case <-ctx.Done():
 			return false
+		case <-sub.s.tracker.Stopping():
+			return false
 		}
 	}
 }
@@ -665,9 +712,12 @@ func (sub *subscription) backendEnded(pid uint32) bool {
 // many the database released. A failure is counted and logged as failed, which says what
 // becomes of the claims then.
 func (sub *subscription) releaseRows(fs []offsets.Fenced, failed string) (int, bool) {
-	ctx, cancel := dbx.CleanupContext(sub.ctx)
-	defer cancel()
-	done, err := sub.store.Release(ctx, sub.s.db, sub.groupID, fs)
+	var done map[int64]bool
+	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtRelease, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
+		var err error
+		done, err = sub.store.Release(ctx, q, sub.groupID, fs)
+		return err
+	})
 	if err != nil {
 		sub.s.stats.errors.Add(1)
 		sub.logger.Error(failed, err, watermill.LogFields{"count": len(fs)})
@@ -701,7 +751,6 @@ func (sub *subscription) register(claimed []offsets.Claimed, token int64) {
 // When the subscription stops, the claims not yet handed out are given back at once and out
 // is closed (M5).
 func (sub *subscription) handOutLoop() {
-	defer sub.wg.Done()
 	defer close(sub.claimDone)
 	defer close(sub.out)
 	for d := range sub.ready {
@@ -828,16 +877,16 @@ func (sub *subscription) await(d *delivery) {
 		return
 	}
 	defer sub.awaits.Done()
-	op := outcome(d, sub.s.shutdown)
+	op := outcome(d, sub.stopExt)
 	if op == "" {
-		// The delivery keeps its lease (S4): it may still settle until the lease runs out.
-		d.mu.Lock()
-		left := time.Until(d.deadline)
-		d.mu.Unlock()
-		t := time.NewTimer(max(left, 0))
-		defer t.Stop()
-		if op = outcome(d, t.C); op == "" {
-			sub.forget(d)
+		// Shutdown stopped watching (S4, S11): a settlement made by then is still applied;
+		// one made later is not, and the message returns when its lease runs out.
+		select {
+		case <-d.msg.Acked():
+			op = "ack"
+		case <-d.msg.Nacked():
+			op = "nack"
+		default:
 			return
 		}
 	}
@@ -867,18 +916,37 @@ const maxSettleBatch = 1000
 
 // settleLoop applies acks and nacks, fenced by each delivery's token. Whatever queued up while
 // the previous statement ran goes into the next one, so under load one round trip settles
-// many messages and at rest a settlement waits for nothing. A database error is retried while
-// the delivery's lease still holds (it keeps being extended meanwhile).
+// many messages and at rest a settlement waits for nothing. A database error (a statement
+// blocked longer than CleanupTimeout is cancelled on the server) is retried while the
+// delivery's lease still holds (it keeps being extended meanwhile), until Shutdown stops the
+// tracker: what is left is then given up (giveUp).
 func (sub *subscription) settleLoop() {
-	defer sub.wg.Done()
 	var pending []settlement
 	for {
 		if len(pending) == 0 {
-			st, ok := <-sub.settleCh
-			if !ok {
-				return
+			select {
+			case st, ok := <-sub.settleCh:
+				if !ok {
+					return
+				}
+				pending = append(pending, st)
+			case <-sub.settleQuit:
+				// Nothing is queued any more: apply what is there, then end.
+				for len(pending) < maxSettleBatch {
+					select {
+					case st, ok := <-sub.settleCh:
+						if ok {
+							pending = append(pending, st)
+							continue
+						}
+					default:
+					}
+					break
+				}
+				if len(pending) == 0 {
+					return
+				}
 			}
-			pending = append(pending, st)
 		}
 	drain:
 		for len(pending) < maxSettleBatch {
@@ -897,26 +965,66 @@ func (sub *subscription) settleLoop() {
 			failed = append(failed, sub.apply(op, pending)...)
 		}
 		pending = failed
+		if len(pending) > 0 && sub.stopping() {
+			sub.giveUp(pending)
+			pending = nil
+		}
 		if len(pending) > 0 {
 			select {
 			case <-time.After(sub.cfg.RetryInterval):
-			case <-sub.s.done:
+			case <-sub.s.tracker.Stopping():
 			}
 		}
 	}
 }
 
-// settleStatement applies acks or nacks (op) of the fenced claims in one statement, under a
-// cleanup context, and returns the offsets it settled. Nacked claims come due again after
+// stopping reports whether Shutdown has stopped the tracker: no statement runs any more.
+func (sub *subscription) stopping() bool {
+	select {
+	case <-sub.s.tracker.Stopping():
+		return true
+	default:
+		return false
+	}
+}
+
+// giveUp drops settlements that Shutdown left no time to apply, and counts them. In lease
+// mode their messages return when their leases run out; in advisory mode Shutdown has
+// released their locks, and they are refused as such.
+func (sub *subscription) giveUp(sts []settlement) {
+	sub.notApplied.Add(int64(len(sts)))
+	if sub.adv != nil {
+		for _, op := range [...]string{"ack", "nack"} {
+			sub.adv.apply(op, sts)
+		}
+		return
+	}
+	sub.logger.Info("Settlements not applied before the shutdown ended; their messages return when their leases run out", watermill.LogFields{"count": len(sts)})
+	for _, st := range sts {
+		sub.forget(st.d)
+	}
+}
+
+// settleStatement applies acks or nacks (op) of the fenced claims in one statement, through
+// the tracker (cancelled on the server after CleanupTimeout, or when Shutdown stops it), and
+// returns the offsets it settled. Nacked claims come due again after
 // NackBackoff: the claim loop is told when (markDue).
 func (sub *subscription) settleStatement(op string, fs []offsets.Fenced) (map[int64]bool, error) {
-	ctx, cancel := dbx.CleanupContext(sub.ctx)
-	defer cancel()
-	if op == "ack" {
-		return sub.store.Ack(ctx, sub.s.db, sub.groupID, fs)
+	var done map[int64]bool
+	kind := stmtAck
+	if op != "ack" {
+		kind = stmtNack
 	}
-	done, err := sub.store.Nack(ctx, sub.s.db, sub.groupID, fs, sub.cfg.NackBackoff)
-	if err == nil && len(done) > 0 {
+	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), kind, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
+		var err error
+		if op == "ack" {
+			done, err = sub.store.Ack(ctx, q, sub.groupID, fs)
+		} else {
+			done, err = sub.store.Nack(ctx, q, sub.groupID, fs, sub.cfg.NackBackoff)
+		}
+		return err
+	})
+	if op != "ack" && err == nil && len(done) > 0 {
 		sub.markDue(time.Now().Add(sub.cfg.NackBackoff))
 	}
 	return done, err
@@ -941,13 +1049,16 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 	}
 	done, err := sub.settleStatement(op, fs)
 	if err != nil {
+		if sub.stopping() {
+			return these // settleLoop gives them up
+		}
 		sub.s.stats.errors.Add(1)
 		var retry []settlement
 		for _, st := range these {
 			st.d.mu.Lock()
 			left := time.Until(st.d.deadline)
 			st.d.mu.Unlock()
-			if left > 0 && !sub.s.isDone() {
+			if left > 0 {
 				retry = append(retry, st)
 				continue
 			}
@@ -1011,9 +1122,9 @@ func (sub *subscription) freeHeld(d *delivery) {
 	}
 }
 
-// pruneLoop deletes settled messages older than Retention while the subscription claims.
+// pruneLoop deletes settled messages older than Retention while the subscription claims; a
+// delete running when the subscription stops is cancelled on the server.
 func (sub *subscription) pruneLoop() {
-	defer sub.wg.Done()
 	every := min(max(sub.cfg.Retention/10, time.Second), time.Minute)
 	t := time.NewTicker(every)
 	defer t.Stop()
@@ -1024,10 +1135,16 @@ func (sub *subscription) pruneLoop() {
 			return
 		}
 		for {
-			ctx, cancel := context.WithTimeout(context.WithoutCancel(sub.ctx), every)
-			n, err := sub.store.Prune(ctx, sub.s.db, sub.cfg.Retention, 10000)
-			cancel()
+			var n int64
+			err := sub.s.tracker.Run(sub.ctx, stmtPrune, every, func(ctx context.Context, q dbx.Querier) error {
+				var err error
+				n, err = sub.store.Prune(ctx, q, sub.cfg.Retention, 10000)
+				return err
+			})
 			if err != nil {
+				if sub.ctx.Err() != nil {
+					return // stopped: cancelled on the server, and it is tried again by the next run
+				}
 				sub.s.stats.errors.Add(1)
 				sub.logger.Error("Deleting settled messages failed", err, nil)
 				break
@@ -1044,9 +1161,11 @@ func (sub *subscription) pruneLoop() {
 
 // extendLoop extends the leases of every delivery in work, well before they run out (L2). A
 // lease the database refuses to extend, or whose deadline passed locally, is lost: the
-// message's context is cancelled so the handler can stop (L4).
+// message's context is cancelled so the handler can stop (L4). An extension that cannot run
+// (blocked on a table lock, a slow server) is cancelled on the server once LeaseRenewInterval
+// has passed and tried again at the next tick; when the lease's deadline passes meanwhile,
+// the lease is lost.
 func (sub *subscription) extendLoop() {
-	defer sub.wg.Done()
 	t := time.NewTicker(sub.cfg.LeaseRenewInterval)
 	defer t.Stop()
 	for {
@@ -1091,9 +1210,15 @@ func (sub *subscription) extendOnce() {
 			live = append(live, d)
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(sub.ctx), sub.cfg.LeaseRenewInterval)
-	done, err := sub.store.Extend(ctx, sub.s.db, sub.groupID, fs, sub.cfg.LeaseTTL)
-	cancel()
+	var done map[int64]bool
+	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtExtend, sub.cfg.LeaseRenewInterval, func(ctx context.Context, q dbx.Querier) error {
+		var err error
+		done, err = sub.store.Extend(ctx, q, sub.groupID, fs, sub.cfg.LeaseTTL)
+		return err
+	})
+	if err != nil && sub.stopping() {
+		return // Shutdown stopped it: the leases are left to run out
+	}
 	if err != nil {
 		sub.s.stats.errors.Add(1)
 		sub.logger.Error("Extending leases failed", err, watermill.LogFields{"count": len(fs)})

@@ -2,6 +2,7 @@ package sqlbroker
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"sync"
@@ -25,14 +26,17 @@ import (
 //     offsets.Store.ClaimLocked). So a claim row becomes visible to others only with its lock
 //     already held: no window in which it looks orphaned. A lock that cannot be taken (its
 //     previous holder is still unlocking after a nack, or a key collision) leaves the claim
-//     due for a later round. The statement runs under its own timeout, never the
-//     subscription's cancel; if it fails, the lock connection is closed (whatever it locked
-//     before failing goes with it) and opened again.
+//     due for a later round. The statement is bounded by the server (the lock connection's
+//     lock_timeout and statement_timeout), never by the subscription's cancel: a claim the
+//     server ended, blocked on a table lock say, takes nothing (the locks it took before
+//     failing are dropped again) and is retried, and the lock connection stays. When the
+//     subscription stops, the statement of the claim round in flight is cancelled on the
+//     server and awaited (counted in QueriesCancelled).
 //   - A claim whose lock is free and whose row is still 'infinity' is an orphan (its consumer
 //     died or lost its lock connection). Each claim round, at most once per PollInterval,
 //     reads a page of the group's held claims, tries the locks of exactly those offsets, then
 //     re-reads and takes over the rows whose lock it got, under a new token, in a statement
-//     that starts after the locks were taken (A4): a row settled meanwhile is gone or no
+//     that starts after the locks were taken (A4), all on the lock connection: a row settled meanwhile is gone or no
 //     longer 'infinity' and is dropped, its lock released. No timeout is involved (A2).
 //   - Ack and nack are applied in the database (fenced by the token, as in lease mode) and then
 //     the lock is released.
@@ -69,6 +73,8 @@ func (sub *subscription) openAdvisory(ctx context.Context) error {
 	conn, err := advisory.Open(ctx, sub.s.db, advisory.Options{
 		Key1:          a.key1,
 		CheckInterval: sub.cfg.LockCheckInterval,
+		LockTimeout:   sub.cfg.LockWaitTimeout,
+		Stop:          sub.ctx, // the claim statements in flight are cancelled on the server, and no reconnect
 		OnLost:        a.lost,
 		Logger:        sub.logger,
 	})
@@ -96,7 +102,10 @@ func (a *advisoryState) run() {
 		// Shutdown releases what is left and closes the connection, and counts both (S9).
 		<-a.released
 	default:
-		a.conn.Close() // the subscription stopped by itself and nothing is held any more
+		// The subscription stopped by itself and nothing is held any more.
+		if _, closed := a.conn.Close(); closed {
+			a.sub.connsClosed.Add(1)
+		}
 	}
 }
 
@@ -194,9 +203,14 @@ func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]off
 		skip = append(skip, o)
 	}
 	sub.mu.Unlock()
-	cands, err := sub.store.HeldAfter(sub.ctx, sub.s.db, sub.groupID, a.rescueAfter, skip, rescuePage)
+	var cands []int64
+	err := a.conn.Query(sub.ctx, func(ctx context.Context, q dbx.Querier) error {
+		var err error
+		cands, err = sub.store.HeldAfter(ctx, q, sub.groupID, a.rescueAfter, skip, rescuePage)
+		return err
+	})
 	if err != nil {
-		return buf, err
+		return buf, a.claimError(err)
 	}
 	if len(cands) < rescuePage {
 		a.rescueAfter = 0 // the end: start over next time
@@ -206,21 +220,24 @@ func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]off
 	if len(cands) == 0 {
 		return buf, nil
 	}
-	locked, gen, err := a.conn.TryLock(cands)
+	locked, gen, err := a.conn.TryLock(sub.ctx, cands)
 	if err != nil || len(locked) == 0 {
-		return buf, err
+		return buf, a.claimError(err)
 	}
 	if len(locked) > n {
 		a.unlock(locked[n:], gen) // no room for them this round
 		locked = locked[:n]
 	}
-	// From here the locks are ours: finish without the subscription's cancel.
-	ctx, cancel := dbx.CleanupContext(sub.ctx)
-	defer cancel()
-	got, err := sub.store.Adopt(ctx, sub.s.db, sub.groupID, token, locked, buf)
+	// A takeover cancelled as the subscription stops changes no row: the locks go back.
+	var got []offsets.Claimed
+	err = a.conn.Query(sub.ctx, func(ctx context.Context, q dbx.Querier) error {
+		var err error
+		got, err = sub.store.Adopt(ctx, q, sub.groupID, token, locked, buf)
+		return err
+	})
 	if err != nil {
 		a.unlock(locked, gen)
-		return buf[:0], err
+		return buf[:0], a.claimError(err)
 	}
 	if len(got) < len(locked) {
 		kept := make(map[int64]bool, len(got))
@@ -248,7 +265,7 @@ func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64, due 
 	sub := a.sub
 	start := len(buf)
 	out := buf
-	gen, err := a.conn.Claim(func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error) {
+	gen, err := a.conn.Claim(sub.ctx, func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error) {
 		var err error
 		out, err = sub.store.ClaimLocked(ctx, q, sub.groupID, token, n, a.key1, held, due, buf)
 		if err != nil {
@@ -261,9 +278,24 @@ func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64, due 
 		return locked, nil
 	})
 	if err != nil {
-		return buf, 0, err
+		return buf, 0, a.claimError(err)
 	}
 	return out, gen, nil
+}
+
+// claimError counts a statement of the claim round that the server cancelled as the
+// subscription stopped (Shutdown reports it), and says what a lock wait that ran out means.
+func (a *advisoryState) claimError(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, advisory.ErrCancelled):
+		a.sub.lockClaimsCancelled.Add(1)
+	case dbx.SQLState(err) == dbx.CodeLockNotAvailable:
+		return fmt.Errorf("the claim waited longer than LockWaitTimeout (%s) for a lock another session holds on the topic's tables (a migration's table lock?); "+
+			"it took nothing, and the deliveries in work keep their locks: %w", a.sub.cfg.LockWaitTimeout, err)
+	}
+	return err
 }
 
 // giveBackNow releases claims of this round, locked under gen, that will not be handed out.
@@ -464,10 +496,13 @@ func (a *advisoryState) shutdown(ctx context.Context) (released, closed int, err
 			err = ctx.Err()
 		}
 
-		n, c := a.conn.Close()
+		n, c, cerr := a.conn.CloseContext(ctx)
 		released = n
 		if c {
 			closed = 1
+		}
+		if cerr != nil && err == nil {
+			err = cerr
 		}
 		close(a.released)
 	})

@@ -309,8 +309,11 @@ func TestSubscriber_M5_closeReleasesAndReports(t *testing.T) {
 	require.NoError(t, sub.Close())
 	_, err = sub.Subscribe(ctx, topic)
 	assert.ErrorIs(t, err, sqlbroker.ErrClosed)
-	m.Ack() // still within its lease: applied (S4)
-	testdb.Eventually(t, 10*time.Second, "the late ack", func() bool { return sub.Stats().Acked == 1 })
+	m.Ack() // within its lease, but after Shutdown: not applied (S4, S11)
+	holds(t, 500*time.Millisecond, "the late ack not applied", func() bool {
+		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token <> 0") == 1
+	})
+	assert.Equal(t, int64(0), sub.Stats().Acked)
 }
 
 // Each consumer group receives every message (M1).
@@ -509,9 +512,12 @@ func TestSubscriber_M3_handlersBoundedClaimsAheadGivenBack(t *testing.T) {
 	assert.Equal(t, held-4, rep.ClaimsReleased, "claims held ahead not given back")
 	assert.Equal(t, held-4, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token = 0 AND visible_at <= now()"))
 	for _, m := range inHandlers {
-		m.Ack() // within their leases (S4)
+		m.Ack() // within their leases, but after Shutdown: not applied (S4, S11)
 	}
-	testdb.Eventually(t, 10*time.Second, "the late acks", func() bool { return sub.Stats().Acked == 5 })
+	holds(t, 500*time.Millisecond, "the late acks not applied", func() bool {
+		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token <> 0") == 4
+	})
+	assert.Equal(t, int64(1), sub.Stats().Acked)
 }
 
 // In advisory mode the claims held ahead hold their locks too: MaxInFlight + BatchSize locks

@@ -80,15 +80,15 @@ func TestConn_A4_tryLockExactKeysOnce(t *testing.T) {
 	a := open(t, key1, nil)
 	b := open(t, key1, nil)
 
-	got, gen, err := a.TryLock([]int64{1, 2, 1 << 33})
+	got, gen, err := a.TryLock(context.Background(), []int64{1, 2, 1 << 33})
 	require.NoError(t, err)
 	assert.ElementsMatch(t, []int64{1, 2, 1 << 33}, got)
-	again, _, err := a.TryLock([]int64{2, 3})
+	again, _, err := a.TryLock(context.Background(), []int64{2, 3})
 	require.NoError(t, err)
 	assert.Equal(t, []int64{3}, again)
 	assert.Equal(t, 4, locksOf(t, pool, key1))
 
-	other, _, err := b.TryLock([]int64{1, 2, 3, 4})
+	other, _, err := b.TryLock(context.Background(), []int64{1, 2, 3, 4})
 	require.NoError(t, err)
 	assert.Equal(t, []int64{4}, other)
 
@@ -123,7 +123,7 @@ func TestConn_A3_terminatedReportsLostAndReconnects(t *testing.T) {
 	go func() { c.Run(stop); close(done) }()
 	defer func() { close(stop); <-done; c.Close() }()
 
-	_, gen, err := c.TryLock([]int64{7, 8})
+	_, gen, err := c.TryLock(context.Background(), []int64{7, 8})
 	require.NoError(t, err)
 	var pid int
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT DISTINCT pid FROM pg_locks
@@ -143,7 +143,7 @@ func TestConn_A3_terminatedReportsLostAndReconnects(t *testing.T) {
 	n, err := c.Unlock([]int64{7}, gen) // a lock of the lost generation: nothing to do
 	require.NoError(t, err)
 	assert.Equal(t, 0, n)
-	got, _, err := c.TryLock([]int64{7})
+	got, _, err := c.TryLock(context.Background(), []int64{7})
 	require.NoError(t, err)
 	assert.Equal(t, []int64{7}, got)
 }

@@ -33,18 +33,30 @@
 // A Conn is one session connection, outside the pool's accounting where the driver allows it
 // (pgx: a pgx.Conn of its own; database/sql: a *sql.Conn taken from the *sql.DB and closed,
 // never returned, when it is done). It runs the claim statement, which takes the locks of
-// exactly the messages it claims before the claims commit (see offsets.Store.ClaimLocked), and
-// short statements that never wait: try-lock, unlock and a ping. They run one at a time under
-// their own timeout, never under a caller's or a subscription's context: a context cancelled
-// while pgx runs a query closes the connection, and with it every lock on it.
+// exactly the messages it claims before the claims commit (see offsets.Store.ClaimLocked), the
+// orphan search and takeover, and short statements that never wait: try-lock, unlock and a
+// ping. They run one at a time; reading the Conn's state (Held, Gen) never waits for them.
 //
-// A connection that fails in any way is closed at once: PostgreSQL then frees every lock it
-// held, and the Conn reports those keys as lost (the owner cancels the deliveries and refuses
-// their settlements), then reconnects. A periodic ping finds a connection that died while idle
-// (pg_terminate_backend, a server restart, a network cut). The session has idle_session_timeout
-// and idle_in_transaction_session_timeout off and TCP keepalives on at both ends (pgx: the
-// dialer's keepalive is set explicitly; lib/pq dials with Go's defaults, which keep TCP
-// keepalives on; the server side is set per session with tcp_keepalives_idle and friends).
+// Every statement is bounded by the server: the session sets lock_timeout
+// (Options.LockTimeout) and statement_timeout (Options.StatementTimeout). A client-side bound
+// is kept only as a last resort 30 s past statement_timeout, for a network that is gone: a
+// context cancelled while a driver runs a query closes the connection, and with it every
+// lock on it. A statement the server ended (a lock wait that ran out, a cancel) leaves the
+// connection open; since a session advisory lock survives the rollback of the statement that
+// took it, the Conn then reads the session's locks under its key1 from pg_locks and drops
+// those it does not hold. When the owner stops (Options.Stop), the statement of its claim
+// round in flight is cancelled on the server (pgx: a cancel request; database/sql:
+// pg_cancel_backend through the pool, which keeps the connection open) and awaited, and the
+// connection is never opened again.
+//
+// A connection that really fails (a network error, the server ending the session) is closed at
+// once: PostgreSQL then frees every lock it held, and the Conn reports those keys as lost (the
+// owner cancels the deliveries and refuses their settlements), then reconnects. A periodic
+// ping finds a connection that died while idle (pg_terminate_backend, a server restart, a
+// network cut). The session has idle_session_timeout and idle_in_transaction_session_timeout
+// off and TCP keepalives on at both ends (pgx: the dialer's keepalive is set explicitly;
+// lib/pq dials with Go's defaults, which keep TCP keepalives on; the server side is set per
+// session with tcp_keepalives_idle and friends).
 //
 // # Session connections only
 //

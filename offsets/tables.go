@@ -98,6 +98,9 @@ func (t Tables) SchemaSQL() string {
 	CONSTRAINT %s UNIQUE ("consumer_group")
 );
 `, t.Groups, t.seq("_g_seq"), t.obj("_g_pkey"), t.obj("_g_name"))
+	// The groups table names the topic, for tools that list topics from the catalog: a
+	// shortened table name no longer spells it out.
+	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS %s;\n", t.Groups, quoteLiteral(topicCommentPrefix+t.Topic))
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
 	"group_id"   integer     NOT NULL,
 	"offset"     bigint      NOT NULL,

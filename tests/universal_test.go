@@ -3,20 +3,24 @@
 package tests
 
 import (
+	"context"
+	"database/sql"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m, closeAdvisoryStd) }
+func TestMain(m *testing.M) { testdb.Main(m, closeAdvisoryStd, closeBounded) }
 
 type driver struct {
 	name string
@@ -161,4 +165,80 @@ func advisoryDriver(d driver) driver {
 		return d
 	}
 	return driver{d.name, func(t *testing.T) sqlbroker.DB { return sqlbroker.StdSQL(advisoryStd(t)) }}
+}
+
+// boundedMaxConns bounds the pools of the bounded-pool suites, as most services bound theirs.
+const boundedMaxConns = 20
+
+var (
+	boundedOnce sync.Once
+	boundedPgx  *pgxpool.Pool
+	boundedStd  *sql.DB
+	boundedErr  error
+)
+
+// boundedDriver is d on a pool of its own bounded at boundedMaxConns connections.
+func boundedDriver(d driver) driver {
+	get := func(t *testing.T) {
+		t.Helper()
+		boundedOnce.Do(func() {
+			cfg, err := pgxpool.ParseConfig(testdb.URL())
+			if err != nil {
+				boundedErr = err
+				return
+			}
+			cfg.MaxConns = boundedMaxConns
+			cfg.MaxConnIdleTime = 5 * time.Second
+			if boundedPgx, boundedErr = pgxpool.NewWithConfig(context.Background(), cfg); boundedErr != nil {
+				return
+			}
+			if boundedStd, boundedErr = sql.Open("postgres", testdb.URL()); boundedErr != nil {
+				return
+			}
+			boundedStd.SetMaxOpenConns(boundedMaxConns)
+			boundedStd.SetMaxIdleConns(boundedMaxConns)
+			boundedStd.SetConnMaxIdleTime(5 * time.Second)
+		})
+		if boundedErr != nil {
+			t.Fatal(boundedErr)
+		}
+	}
+	if d.name == "libpq" {
+		return driver{d.name, func(t *testing.T) sqlbroker.DB { get(t); return sqlbroker.StdSQL(boundedStd) }}
+	}
+	return driver{d.name, func(t *testing.T) sqlbroker.DB { get(t); return sqlbroker.Pgx(boundedPgx) }}
+}
+
+func closeBounded() {
+	if boundedPgx != nil {
+		boundedPgx.Close()
+	}
+	if boundedStd != nil {
+		_ = boundedStd.Close()
+	}
+}
+
+// TestUniversal_BoundedPool runs the suite, in its short form, on pools bounded at 20
+// connections: every subscription must be served without starving another. The advisory mode
+// runs on pgx only: a pgx pool's lock connections are opened outside it, while each advisory
+// subscription on a *sql.DB keeps one of its connections, so a *sql.DB bounded at 20 cannot
+// hold the suite's concurrent subscribers; Subscribe then refuses with an error that says how
+// many connections are needed (TestAdvisory_C4_boundedStdPoolRefusesClearly).
+func TestUniversal_BoundedPool(t *testing.T) {
+	features := universalFeatures(false)
+	features.ForceShort = true
+	for _, run := range []struct {
+		mode sqlbroker.ClaimMode
+		d    driver
+	}{
+		{sqlbroker.ClaimLease, drivers[0]},
+		{sqlbroker.ClaimLease, drivers[1]},
+		{sqlbroker.ClaimAdvisoryLock, drivers[0]},
+	} {
+		t.Run(run.mode.String()+"/"+run.d.name, func(t *testing.T) {
+			pubSub, groupPubSub := constructors(boundedDriver(run.d), run.mode, false)
+			tests.TestPubSub(t, features, pubSub, groupPubSub)
+		})
+	}
+	requireNoLibraryLocks(t)
 }

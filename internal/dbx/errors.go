@@ -2,6 +2,7 @@ package dbx
 
 import (
 	"errors"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/lib/pq"
@@ -24,4 +25,31 @@ func SQLState(err error) string {
 const (
 	CodeUndefinedTable = "42P01"
 	CodeQueryCanceled  = "57014"
+)
+
+// StatementFailed reports whether err is the server's error for one statement (severity
+// ERROR: a lock_timeout, a statement_timeout, a cancel, a constraint), after which the
+// connection stays usable, as opposed to a connection that failed (a network error, a
+// client-side timeout that made the driver close it, a FATAL from the server). A caller that
+// needs to be sure can run a statement on the connection: it fails if the connection is gone.
+func StatementFailed(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		sev := pgErr.SeverityUnlocalized
+		if sev == "" {
+			sev = pgErr.Severity
+		}
+		return sev == "ERROR"
+	}
+	var pqErr *pq.Error
+	if errors.As(err, &pqErr) {
+		// Severity may be localised; a connection exception (class 08) is never one statement's.
+		return !pqErr.Fatal() && pqErr.Severity != "PANIC" && !strings.HasPrefix(string(pqErr.Code), "08")
+	}
+	return false
+}
+
+// Error codes of a statement ended by the server's own bounds.
+const (
+	CodeLockNotAvailable = "55P03" // lock_timeout
 )

@@ -91,12 +91,29 @@ func (p *PgxPool) Acquire(ctx context.Context) (Conn, error) {
 	return &pgxPoolConn{pgxQ: pgxQ{c}, c: c}, nil
 }
 
+// Dedicated dials a connection of its own, set up as the pool sets up its connections: the
+// pool's BeforeConnect and AfterConnect hooks run on it (a search_path, a role, a password
+// fetched per connection), so its statements see what the pool's statements see.
 func (p *PgxPool) Dedicated(ctx context.Context) (Conn, error) {
-	cfg := p.Pool.Config().ConnConfig.Copy()
+	pcfg := p.Pool.Config()
+	cfg := pcfg.ConnConfig.Copy()
 	cfg.DialFunc = withKeepAlive(cfg.DialFunc)
+	if pcfg.BeforeConnect != nil {
+		if err := pcfg.BeforeConnect(ctx, cfg); err != nil {
+			return nil, err
+		}
+	}
 	c, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return nil, err
+	}
+	if pcfg.AfterConnect != nil {
+		if err := pcfg.AfterConnect(ctx, c); err != nil {
+			cctx, cancel := CleanupContext(ctx)
+			defer cancel()
+			_ = c.Close(cctx)
+			return nil, err
+		}
 	}
 	return &pgxConn{pgxQ: pgxQ{c}, c: c}, nil
 }

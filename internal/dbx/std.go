@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 
@@ -97,15 +98,73 @@ func (p *StdPool) Acquire(ctx context.Context) (Conn, error) {
 }
 
 // Dedicated takes a connection from the *sql.DB: database/sql has no way to open one outside
-// its pool, so the connection counts against SetMaxOpenConns until it is destroyed. Its
-// statements run under the caller's context as they are: nothing cancels them on the side
-// (a cancel would make lib/pq close the connection, and a lock connection with it).
+// its pool, so the connection counts against SetMaxOpenConns until it is destroyed. On a
+// bounded pool it refuses, with ErrPoolTooSmall, a connection that would leave fewer than
+// StdSpareConns for everything else: dedicated connections are kept for long (a lock
+// connection for the life of its subscription), and a pool they fill starves every other
+// statement without an error anywhere.
+//
+// Its statements run under the caller's context as they are: nothing cancels them on the side
+// (a client-side cancel would make lib/pq close the connection, and a lock connection with
+// it). Cancel asks the server, through another connection of the pool, to cancel the
+// statement running now (pg_cancel_backend): the statement returns the server's error and the
+// connection stays usable.
 func (p *StdPool) Dedicated(ctx context.Context) (Conn, error) {
-	c, err := p.DB.Conn(ctx)
+	release, err := reserveDedicated(p.DB)
 	if err != nil {
 		return nil, err
 	}
-	return &stdConn{stdQ: stdQ{c}, c: c, untracked: true}, nil
+	c, err := p.DB.Conn(ctx)
+	if err != nil {
+		release()
+		return nil, err
+	}
+	sc := &stdConn{stdQ: stdQ{c}, c: c, untracked: true, pool: p.DB, unreserve: release}
+	if _, err := sc.PID(ctx); err != nil {
+		sc.Destroy()
+		return nil, err
+	}
+	return sc, nil
+}
+
+// StdSpareConns is how many connections of a bounded *sql.DB dedicated connections always
+// leave to the other statements of the library (settlements, releases, publishing) and to
+// the application: one long statement or transaction elsewhere then never stalls them all.
+const StdSpareConns = 2
+
+// ErrPoolTooSmall says that a bounded pool has no room for another dedicated connection.
+var ErrPoolTooSmall = errors.New("the pool is too small for another lock connection")
+
+// dedicated counts the dedicated connections open on each *sql.DB, across every user of it
+// in the process.
+var dedicated = struct {
+	sync.Mutex
+	n map[*sql.DB]int
+}{n: map[*sql.DB]int{}}
+
+// reserveDedicated counts one more dedicated connection of db, if a bounded db has room for
+// it, and returns the function that counts it out.
+func reserveDedicated(db *sql.DB) (func(), error) {
+	dedicated.Lock()
+	defer dedicated.Unlock()
+	held := dedicated.n[db]
+	if max := db.Stats().MaxOpenConnections; max > 0 && held+1+StdSpareConns > max {
+		return nil, fmt.Errorf("%w: the *sql.DB allows %d open connections (SetMaxOpenConns) and %d of them are kept by advisory-lock subscriptions, one each, for their locks; "+
+			"another subscription needs one more of its own and %d left for the statements of all of them (acks, nacks, releases, publishing): "+
+			"raise SetMaxOpenConns to at least %d, or pass a pgx pool (its lock connections are opened outside the pool), or use the lease claim mode",
+			ErrPoolTooSmall, max, held, StdSpareConns, held+1+StdSpareConns)
+	}
+	dedicated.n[db] = held + 1
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			dedicated.Lock()
+			defer dedicated.Unlock()
+			if dedicated.n[db]--; dedicated.n[db] <= 0 {
+				delete(dedicated.n, db)
+			}
+		})
+	}, nil
 }
 
 func (p *StdPool) Close() { _ = p.DB.Close() }
@@ -115,7 +174,9 @@ type stdConn struct {
 	c   *sql.Conn
 	pid uint32
 
-	untracked bool // Dedicated: Cancel is not offered
+	untracked bool    // Dedicated: statements run under the caller's context; Cancel goes through pool
+	pool      *sql.DB // Dedicated: the pool that sends its cancels
+	unreserve func()  // Dedicated: counts it out of the pool's dedicated connections
 	mu        sync.Mutex
 	running   context.CancelFunc // cancels the statement running now
 }
@@ -136,7 +197,7 @@ func (c *stdConn) Query(ctx context.Context, query string, args ...any) (Rows, e
 		done()
 		return nil, err
 	}
-	return trackedRows{Rows: rows, done: done}, nil
+	return &trackedRows{Rows: rows, done: done}, nil
 }
 
 func (c *stdConn) track(ctx context.Context) (context.Context, func()) {
@@ -155,17 +216,41 @@ func (c *stdConn) track(ctx context.Context) (context.Context, func()) {
 	}
 }
 
+// trackedRows ends the statement's own context when closed. Err after Close is the error
+// read before that context ended: database/sql reports a context cancelled after the rows
+// were closed as their error when they did not reach their end (one row read of several).
 type trackedRows struct {
 	Rows
-	done func()
+	done   func()
+	closed bool
+	err    error
 }
 
-func (r trackedRows) Close() {
+func (r *trackedRows) Close() {
+	if r.closed {
+		return
+	}
 	r.Rows.Close()
+	r.err = r.Rows.Err()
+	r.closed = true
 	r.done()
 }
 
-func (c *stdConn) Cancel(context.Context) (bool, error) {
+func (r *trackedRows) Err() error {
+	if r.closed {
+		return r.err
+	}
+	return r.Rows.Err()
+}
+
+func (c *stdConn) Cancel(ctx context.Context) (bool, error) {
+	if c.untracked {
+		if c.pid == 0 {
+			return false, errors.New("dbx: the connection's backend is not known")
+		}
+		_, err := c.pool.ExecContext(ctx, "SELECT pg_cancel_backend($1)", int64(c.pid))
+		return false, err
+	}
 	c.mu.Lock()
 	cancel := c.running
 	c.mu.Unlock()
@@ -220,7 +305,13 @@ func (c *stdConn) PID(ctx context.Context) (uint32, error) {
 	return c.pid, nil
 }
 
-func (c *stdConn) Release() { _ = c.c.Close() }
+func (c *stdConn) Release() {
+	if c.untracked {
+		c.Destroy() // a dedicated connection never goes back to the pool with its session state
+		return
+	}
+	_ = c.c.Close()
+}
 
 // Destroy marks the driver connection bad so that database/sql closes it instead of pooling it.
 func (c *stdConn) Destroy() {
@@ -231,6 +322,9 @@ func (c *stdConn) Destroy() {
 		return driver.ErrBadConn
 	})
 	_ = c.c.Close()
+	if c.unreserve != nil {
+		c.unreserve()
+	}
 }
 
 // IsBadConn reports whether err says that the connection is gone.

@@ -37,7 +37,8 @@ type Tracker struct {
 	stopCtx  context.Context // cancelled by Stop: acquires end, running statements are cancelled
 	stopFunc context.CancelFunc
 
-	cancelled sync.Map // kind -> *atomic.Int64: statements the server ended on a cancel of ours
+	cancelled sync.Map     // kind -> *atomic.Int64: statements the server ended on a cancel of ours
+	closed    atomic.Int64 // connections closed instead of handed back
 }
 
 type call struct {
@@ -65,6 +66,12 @@ var (
 // wraps the reason (ctx's cause, ErrLimit or ErrStopped) and the server's error. fn must read
 // every row it asks for before it returns. kind names the statement in Stop's counts.
 func (t *Tracker) Run(ctx context.Context, kind string, limit time.Duration, fn func(ctx context.Context, q Querier) error) error {
+	return t.RunConn(ctx, kind, limit, func(ctx context.Context, c Conn) error { return fn(ctx, c) })
+}
+
+// RunConn is Run for an fn that needs the connection itself (its backend's PID); fn must not
+// Release, Destroy or Cancel it.
+func (t *Tracker) RunConn(ctx context.Context, kind string, limit time.Duration, fn func(ctx context.Context, c Conn) error) error {
 	t.mu.Lock()
 	if t.stopped {
 		t.mu.Unlock()
@@ -149,7 +156,7 @@ func (t *Tracker) Run(ctx context.Context, kind string, limit time.Duration, fn 
 	switch {
 	case !triggered:
 		if err != nil && qctx.Err() != nil {
-			conn.Destroy()
+			t.destroy(conn)
 		} else {
 			conn.Release()
 		}
@@ -157,22 +164,46 @@ func (t *Tracker) Run(ctx context.Context, kind string, limit time.Duration, fn 
 	case err != nil && SQLState(err) == CodeQueryCanceled:
 		t.count(kind)
 		if connCloses.Load() {
-			conn.Destroy()
+			t.destroy(conn)
 		} else {
 			conn.Release()
 		}
 		return errors.Join(reason.Load().(error), err)
 	case !cancelSent.Load():
 		// The cancel could not be sent: the statement ended on its own.
-		conn.Destroy()
+		t.destroy(conn)
 		return err
 	default:
 		// The statement ended before the cancel arrived: a cancel may still be pending for
 		// the connection's next statement, so the connection goes.
-		conn.Destroy()
+		t.destroy(conn)
 		return err
 	}
 }
+
+func (t *Tracker) destroy(c Conn) {
+	c.Destroy()
+	t.closed.Add(1)
+}
+
+// Closed is the number of connections the tracker closed instead of handing them back to the
+// pool (after a cancel, or a statement it gave up on), since it was built.
+func (t *Tracker) Closed() int { return int(t.closed.Load()) }
+
+// Cancelled counts by kind the statements the server ended on a cancel of the tracker's,
+// since it was built.
+func (t *Tracker) Cancelled() map[string]int {
+	out := map[string]int{}
+	t.cancelled.Range(func(k, v any) bool {
+		out[k.(string)] = int(v.(*atomic.Int64).Load())
+		return true
+	})
+	return out
+}
+
+// Stopping is closed once Stop has been called: loops that pause between statements wait on
+// it too, since every later Run returns ErrStopped.
+func (t *Tracker) Stopping() <-chan struct{} { return t.stopCtx.Done() }
 
 func (t *Tracker) count(kind string) {
 	v, _ := t.cancelled.LoadOrStore(kind, new(atomic.Int64))
@@ -232,9 +263,6 @@ func (t *Tracker) Stop(ctx context.Context) StopResult {
 		case <-time.After(CancelWait):
 		}
 	}
-	t.cancelled.Range(func(k, v any) bool {
-		res.Cancelled[k.(string)] = int(v.(*atomic.Int64).Load())
-		return true
-	})
+	res.Cancelled = t.Cancelled()
 	return res
 }

@@ -110,8 +110,8 @@ func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bo
 }
 
 // LeakCheck reports goroutines still running after the tests, waiting up to 20s for those
-// that end by themselves (a lease-mode delivery left in work at shutdown waits, at most its
-// LeaseTTL, for a late settlement). Goroutines that Watermill's universal suite itself leaves
+// that end by themselves (an advisory-mode delivery left in work at shutdown waits, at most
+// its CloseTimeout, for a late settlement to refuse). Goroutines that Watermill's universal suite itself leaves
 // behind (its fan-in of many subscribers blocks on a channel nobody reads once a test ends;
 // TestReconnect leaves its collector) are not the library's and are ignored.
 func LeakCheck() error {

@@ -1,0 +1,354 @@
+package sqlbroker_test
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"fmt"
+	"runtime/pprof"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+)
+
+// recLogger records every entry with the time it was logged.
+type recLogger struct {
+	mu      sync.Mutex
+	entries []logEntry
+	fields  watermill.LogFields
+	root    *recLogger
+}
+
+type logEntry struct {
+	at    time.Time
+	level string
+	msg   string
+	err   error
+}
+
+func newRecLogger() *recLogger {
+	l := &recLogger{}
+	l.root = l
+	return l
+}
+
+func (l *recLogger) add(level, msg string, err error) {
+	r := l.root
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.entries = append(r.entries, logEntry{at: time.Now(), level: level, msg: msg, err: err})
+}
+
+func (l *recLogger) Error(msg string, err error, _ watermill.LogFields) { l.add("error", msg, err) }
+func (l *recLogger) Info(msg string, _ watermill.LogFields)             { l.add("info", msg, nil) }
+func (l *recLogger) Debug(msg string, _ watermill.LogFields)            { l.add("debug", msg, nil) }
+func (l *recLogger) Trace(msg string, _ watermill.LogFields)            { l.add("trace", msg, nil) }
+func (l *recLogger) With(f watermill.LogFields) watermill.LoggerAdapter {
+	return &recLogger{fields: f, root: l.root}
+}
+
+// since returns the entries logged at or after t.
+func (l *recLogger) since(t time.Time) []string {
+	r := l.root
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for _, e := range r.entries {
+		if !e.at.Before(t) {
+			out = append(out, fmt.Sprintf("%s %s: %q (%v)", e.at.Format("15:04:05.000"), e.level, e.msg, e.err))
+		}
+	}
+	return out
+}
+
+// ownDB builds a pool of the test's own for driver ("pgx" or "libpq"), bounded at maxConns,
+// whose backends carry an application_name of their own, returned beside it.
+func ownDB(t *testing.T, driver string, maxConns int) (sqlbroker.DB, string) {
+	db, app, _ := ownPool(t, driver, maxConns)
+	return db, app
+}
+
+// ownPool is ownDB, and a hold that takes a connection of the pool until the func it returns
+// is called (or the test ends).
+func ownPool(t *testing.T, driver string, maxConns int) (sqlbroker.DB, string, func() func()) {
+	t.Helper()
+	app := "sqlbroker_" + strings.ToLower(watermill.NewShortUUID())
+	switch driver {
+	case "pgx":
+		cfg, err := pgxpool.ParseConfig(testdb.URL())
+		require.NoError(t, err)
+		cfg.ConnConfig.RuntimeParams["application_name"] = app
+		cfg.MaxConns = int32(maxConns)
+		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		hold := func() func() {
+			c, err := pool.Acquire(context.Background())
+			require.NoError(t, err)
+			return onceCleanup(t, c.Release)
+		}
+		return sqlbroker.Pgx(pool), app, hold
+	default:
+		u := testdb.URL()
+		sep := "?"
+		if strings.Contains(u, "?") {
+			sep = "&"
+		}
+		db, err := sql.Open("postgres", u+sep+"application_name="+app)
+		require.NoError(t, err)
+		db.SetMaxOpenConns(maxConns)
+		t.Cleanup(func() { _ = db.Close() })
+		hold := func() func() {
+			c, err := db.Conn(context.Background())
+			require.NoError(t, err)
+			return onceCleanup(t, func() { _ = c.Close() })
+		}
+		return sqlbroker.StdSQL(db), app, hold
+	}
+}
+
+// tableLocks counts the locks held or awaited by backends of app on the topic's tables.
+func tableLocks(t *testing.T, app, topic string) int {
+	tb := tables(topic)
+	return queryInt(t, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+		JOIN pg_class c ON c.oid = l.relation
+		WHERE a.application_name = $1 AND c.relname IN ($2, $3, $4)`, app, tb.MessagesName, tb.GroupsName, tb.ClaimsName)
+}
+
+// activeBackends counts the backends of app running or waiting in a statement.
+func activeBackends(t *testing.T, app string) int {
+	return queryInt(t, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state <> 'idle'", app)
+}
+
+// backendPIDs lists the backends of app.
+func backendPIDs(t *testing.T, app string) string {
+	var s string
+	require.NoError(t, testdb.Pgx(t).QueryRow(context.Background(),
+		"SELECT coalesce(string_agg(pid::text, ',' ORDER BY pid), '') FROM pg_stat_activity WHERE application_name = $1", app).Scan(&s))
+	return s
+}
+
+// labelled runs f with a goroutine label of its own, which every goroutine f starts (and
+// every goroutine those start) inherits, and returns the label.
+func labelled(f func(ctx context.Context)) string {
+	id := watermill.NewShortUUID()
+	pprof.Do(context.Background(), pprof.Labels("sqlbroker_test", id), f)
+	return id
+}
+
+// libraryGoroutines returns the stacks of the goroutines labelled id that run a function of
+// the library (driver goroutines are not the library's).
+func libraryGoroutines(id string) []string {
+	var buf bytes.Buffer
+	_ = pprof.Lookup("goroutine").WriteTo(&buf, 1)
+	var out []string
+	for _, block := range strings.Split(buf.String(), "\n\n") {
+		if strings.Contains(block, `"sqlbroker_test":"`+id+`"`) && strings.Contains(block, "github.com/sqlbroker/watermill-sqlbroker") {
+			out = append(out, block)
+		}
+	}
+	return out
+}
+
+// watchQuiet checks, for d after Shutdown returned at returned, that nothing is logged, no
+// backend of app runs or waits in a statement, none holds or awaits a lock on the topic's
+// tables, and no connection is opened.
+func watchQuiet(t *testing.T, log *recLogger, returned time.Time, app, topic string, d time.Duration) {
+	t.Helper()
+	pids := backendPIDs(t, app)
+	for end := time.Now().Add(d); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		if n := activeBackends(t, app); n != 0 {
+			t.Fatalf("%s after Shutdown returned, %d backends of the library run a statement", time.Since(returned), n)
+		}
+		if n := tableLocks(t, app, topic); n != 0 {
+			t.Fatalf("%s after Shutdown returned, backends of the library hold or await %d locks on the topic's tables", time.Since(returned), n)
+		}
+		if now := backendPIDs(t, app); now != pids && !strings.HasPrefix(pids, now) && !isSubset(now, pids) {
+			t.Fatalf("%s after Shutdown returned, a connection was opened: backends %q, then %q", time.Since(returned), pids, now)
+		}
+	}
+	assert.Empty(t, log.since(returned), "logged after Shutdown returned")
+}
+
+// holds fails t if cond stops holding within d: it checks that something does not happen
+// (a late settlement applied), not how fast anything is.
+func holds(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for end := time.Now().Add(d); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		if !cond() {
+			t.Fatalf("%s: no longer so", what)
+		}
+	}
+}
+
+// isSubset reports whether every pid of the comma list a is in b.
+func isSubset(a, b string) bool {
+	if a == "" {
+		return true
+	}
+	in := map[string]bool{}
+	for _, p := range strings.Split(b, ",") {
+		in[p] = true
+	}
+	for _, p := range strings.Split(a, ",") {
+		if !in[p] {
+			return false
+		}
+	}
+	return true
+}
+
+// A settlement blocked by a migration's table lock when the service stops: Shutdown, bounded
+// at 3 s, cancels it on the server and waits for the server's answer, and returns ctx's error
+// with a report that counts it. Right after it returns, no backend of the library holds or
+// awaits a lock on the topic's tables, and in the next 3 s nothing is logged and no backend of
+// the library becomes active or is opened (S11).
+func TestShutdown_S11_settlementBlockedOnTableLock(t *testing.T) {
+	t.Parallel()
+	for _, driver := range []string{"pgx", "libpq"} {
+		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			topic := testdb.Topic(t, "")
+			db, app := ownDB(t, driver, 10)
+			log := newRecLogger()
+			pub := newPublisher(t, pgxDB(t))
+			publish(t, pub, topic, "a", "b")
+			sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 2, InitializeSchema: true}, log)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = sub.Close() })
+			msgs, err := sub.Subscribe(ctx, topic)
+			require.NoError(t, err)
+			got := []*message.Message{receive(t, msgs, 10*time.Second), receive(t, msgs, 10*time.Second)}
+
+			// A migration takes the claims table.
+			tx, err := testdb.Pgx(t).Begin(ctx)
+			require.NoError(t, err)
+			defer func() { _ = tx.Rollback(ctx) }()
+			_, err = tx.Exec(ctx, "LOCK TABLE "+tables(topic).Claims+" IN ACCESS EXCLUSIVE MODE")
+			require.NoError(t, err)
+			for _, m := range got {
+				m.Ack()
+			}
+			testdb.Eventually(t, 10*time.Second, "a settlement waiting on the table lock", func() bool {
+				return queryInt(t, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+					WHERE a.application_name = $1 AND NOT l.granted AND a.query LIKE 'WITH%DELETE%'`, app) > 0
+			})
+
+			sctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+			defer cancel()
+			rep, err := sub.Shutdown(sctx)
+			returned := time.Now()
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			assert.Equal(t, 0, tableLocks(t, app, topic), "a backend of the library holds or awaits a lock on the topic's tables after Shutdown returned")
+			assert.Equal(t, 0, activeBackends(t, app), "a backend of the library runs a statement after Shutdown returned")
+			assert.Positive(t, rep.SettlementStatementsCancelled, "report: %+v", rep)
+			assert.Equal(t, 2, rep.SettlementsNotApplied, "report: %+v", rep)
+			assert.Equal(t, 2, rep.LeasesLeft, "report: %+v", rep)
+			assert.Zero(t, rep.StatementsAbandoned, "report: %+v", rep)
+			assert.GreaterOrEqual(t, rep.QueriesCancelled, rep.SettlementStatementsCancelled)
+			watchQuiet(t, log, returned, app, topic, 3*time.Second)
+		})
+	}
+}
+
+// With every connection of a bounded pool taken by someone else, the claim waits for a
+// connection; Shutdown ends that wait at once, and once the connection is free again no
+// claim runs (S11).
+func TestShutdown_S11_exhaustedPoolAcquire(t *testing.T) {
+	t.Parallel()
+	for _, driver := range []string{"pgx", "libpq"} {
+		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			topic := testdb.Topic(t, "")
+			db, app, hold := ownPool(t, driver, 1)
+			log := newRecLogger()
+			pub := newPublisher(t, pgxDB(t))
+			sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond, InitializeSchema: true}, log)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = sub.Close() })
+			msgs, err := sub.Subscribe(ctx, topic)
+			require.NoError(t, err)
+			publish(t, pub, topic, "x")
+			receive(t, msgs, 10*time.Second).Ack()
+			testdb.Eventually(t, 10*time.Second, "the ack", func() bool { return sub.Stats().Acked == 1 })
+
+			// Take the pool's only connection; the next claim waits for it.
+			release := hold()
+			publish(t, pub, topic, "y")
+			sctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			defer cancel()
+			start := time.Now()
+			_, err = sub.Shutdown(sctx)
+			require.NoError(t, err, "Shutdown waited for the claim's connection")
+			assert.Less(t, time.Since(start), time.Second)
+			returned := time.Now()
+			release()
+			watchQuiet(t, log, returned, app, topic, 1500*time.Millisecond)
+			assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims), "a claim ran after Shutdown returned")
+			assert.Equal(t, int64(1), sub.Stats().Claimed)
+		})
+	}
+}
+
+// onceCleanup returns f to be called once, by the caller or when t ends.
+func onceCleanup(t *testing.T, f func()) func() {
+	var once sync.Once
+	g := func() { once.Do(f) }
+	t.Cleanup(g)
+	return g
+}
+
+// After Shutdown returns, with deliveries in work, settlements queued and claims held ahead,
+// no goroutine of the subscriber runs any more, and nothing is logged: a late ack is not
+// waited for (S11).
+func TestShutdown_S11_nothingLoggedAfterShutdown(t *testing.T) {
+	t.Parallel()
+	for _, driver := range []string{"pgx", "libpq"} {
+		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			topic := testdb.Topic(t, "")
+			db, app := ownDB(t, driver, 10)
+			log := newRecLogger()
+			pub := newPublisher(t, pgxDB(t))
+			publish(t, pub, topic, numbered(20)...)
+			sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 4,
+				Retention: time.Hour, LeaseTTL: 2 * time.Second, InitializeSchema: true}, log)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = sub.Close() })
+			var msgs <-chan *message.Message
+			id := labelled(func(ctx context.Context) {
+				msgs, err = sub.Subscribe(ctx, topic)
+			})
+			require.NoError(t, err)
+			var got []*message.Message
+			for range 4 {
+				got = append(got, receive(t, msgs, 10*time.Second))
+			}
+			got[0].Ack()
+			require.NotEmpty(t, libraryGoroutines(id), "the goroutine scan sees nothing of the subscriber")
+
+			rep, err := sub.Shutdown(ctx)
+			returned := time.Now()
+			require.NoError(t, err)
+			assert.Empty(t, libraryGoroutines(id), "goroutines of the subscriber still run after Shutdown returned")
+			assert.Equal(t, 3, rep.LeasesLeft)
+			got[1].Ack() // after Shutdown: not applied, not waited for
+			got[2].Nack()
+			watchQuiet(t, log, returned, app, topic, time.Second)
+			assert.Empty(t, libraryGoroutines(id), "a late settlement started a goroutine")
+		})
+	}
+}
