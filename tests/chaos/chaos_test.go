@@ -18,6 +18,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -141,6 +142,7 @@ const envSkipLeaseLocks = "SQLBROKER_CHAOS_SKIP_LEASE_TABLE_LOCKS"
 
 type totals struct {
 	locksSkipped                         bool
+	lockDeadlocks                        int // the test's LOCK TABLE or DROP COLUMN failed by the deadlock detector, and run again
 	tableLocks, alters, stopLocks        int
 	tableLockHeld                        []time.Duration
 	alterQueued                          []int // library statements queued behind each ALTER
@@ -277,10 +279,26 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	// lockTables holds LOCK TABLE on the topic's tables while during runs, and records it.
 	lockTables := func(kind string, during func() []string) {
 		start := time.Now()
-		tx, err := db.Begin(ctx)
-		require.NoError(t, err)
-		_, err = tx.Exec(ctx, "LOCK TABLE "+tables.Messages+", "+tables.Claims+", "+tables.Groups+" IN ACCESS EXCLUSIVE MODE")
-		require.NoError(t, err)
+		var tx pgx.Tx
+		for try := 0; ; try++ {
+			var err error
+			tx, err = db.Begin(ctx)
+			require.NoError(t, err)
+			// The three tables are locked one after the other: a statement of the library
+			// holding one and waiting for another is a deadlock, which the server ends by
+			// failing one side; when it is the test's, lock again.
+			_, err = tx.Exec(ctx, "LOCK TABLE "+tables.Messages+", "+tables.Claims+", "+tables.Groups+" IN ACCESS EXCLUSIVE MODE")
+			if err == nil {
+				break
+			}
+			_ = tx.Rollback(ctx)
+			if try < 10 && isDeadlock(err) {
+				tot.lockDeadlocks++
+				continue
+			}
+			require.NoError(t, err)
+		}
+		defer func() { _ = tx.Rollback(context.Background()) }() // a failing test still gives its connection back
 		procs := during()
 		require.NoError(t, tx.Rollback(ctx))
 		hist.add(fault{Kind: kind, Procs: procs, Start: start, End: time.Now()})
@@ -294,6 +312,7 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 		start := time.Now()
 		long, err := db.Begin(ctx)
 		require.NoError(t, err)
+		defer func() { _ = long.Rollback(context.Background()) }()
 		_, err = long.Exec(ctx, "SELECT count(*) FROM (SELECT 1 FROM "+table+" LIMIT 1) x")
 		require.NoError(t, err)
 		altered := make(chan error, 1)
@@ -311,13 +330,19 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 		time.Sleep(time.Until(start.Add(alterBlockFor))) // the long transaction stays open
 		tot.alterQueued = append(tot.alterQueued, queued())
 		require.NoError(t, long.Rollback(ctx))
-		require.NoError(t, <-altered)
+		require.NoError(t, <-altered) // a deadlock cannot involve it: the test holds nothing else
 		slot := rand.IntN(consumers)
 		f.kill(slot)
 		tot.kills++
 		f.start(slot)
 		f.waitReady(slot) // Subscribe's check of the tables passes with the extra column
-		_, err = db.Exec(ctx, "ALTER TABLE "+table+" DROP COLUMN chaos_migration")
+		for try := 0; ; try++ {
+			_, err = db.Exec(ctx, "ALTER TABLE "+table+" DROP COLUMN chaos_migration")
+			if err == nil || try >= 10 || !isDeadlock(err) {
+				break
+			}
+			tot.lockDeadlocks++
+		}
 		require.NoError(t, err)
 		hist.add(fault{Kind: faultAlter, Start: start, End: time.Now()})
 		tot.alters++
@@ -615,6 +640,11 @@ func countKilledWithFinal(procs []*proc, final map[string]bool) int {
 	return n
 }
 
+func isDeadlock(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "40P01"
+}
+
 func queryInt(t *testing.T, sql string, args ...any) int {
 	t.Helper()
 	var n int
@@ -756,8 +786,8 @@ func printTotals(t *testing.T, tot totals, fig recovery) {
 	}
 	fmt.Fprintf(&b, "explained by\n%s", fmtWhy(tot.main.byWhy))
 	fmt.Fprintf(&b, "faults injected         %d SIGKILL+restart, %d SIGSTOP for %s then SIGCONT, %d backends terminated, %d xmin holds of 3s, 1 pool of 2 connections for 32 in flight, handlers panicking/nacking/timing out on ~9%% of messages\n", tot.kills, tot.freezes, leaseTTL+time.Second, tot.terminated, tot.xminHolds)
-	fmt.Fprintf(&b, "table locks             %d LOCK TABLE ... IN ACCESS EXCLUSIVE MODE of the topic's tables held %s (%d of them during a clean stop of %v, and one during the final stop of every consumer); %d ALTER TABLE ... ADD COLUMN queued %s behind a reading transaction, with %v library statements queued behind them\n",
-		tot.tableLocks+tot.stopLocks, fmtDurations(tot.tableLockHeld), tot.stopLocks, tot.stopUnderLock, tot.alters, alterBlockFor, tot.alterQueued)
+	fmt.Fprintf(&b, "table locks             %d LOCK TABLE ... IN ACCESS EXCLUSIVE MODE of the topic's tables held %s (%d of them during a clean stop of %v, and one during the final stop of every consumer); %d ALTER TABLE ... ADD COLUMN queued %s behind a reading transaction, with %v library statements queued behind them; %d of the test's lock statements ended by the deadlock detector and run again\n",
+		tot.tableLocks+tot.stopLocks, fmtDurations(tot.tableLockHeld), tot.stopLocks, tot.stopUnderLock, tot.alters, alterBlockFor, tot.alterQueued, tot.lockDeadlocks)
 	if tot.locksSkipped {
 		fmt.Fprintf(&b, "table locks while messages are in work: left out (%s=1, a known defect of the lease-mode claim under a lock)\n", envSkipLeaseLocks)
 	}

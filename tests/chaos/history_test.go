@@ -53,7 +53,7 @@ type checker struct {
 // verdict is the outcome of the check for one fleet's results.
 type verdict struct {
 	refusals, losses, duplicates int
-	lockConns, lockConnsAlone    int // lock connections that failed; of them, not explained by a fault
+	lockConns, lockConnsAlone    int            // lock connections that failed; of them, not explained by a fault
 	byWhy                        map[string]int // explained refusals, losses and duplicates, by reason
 	unexplained                  []string       // each with its history
 	unexplainedRefusals          int
