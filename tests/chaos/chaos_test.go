@@ -8,7 +8,6 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
-	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -19,6 +18,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -69,6 +69,25 @@ const (
 	consumers      = 3
 )
 
+// The racing group: one more consumer process, in a consumer group of its own on the same
+// topic, in lease mode, extends the leases of its messages in work every 20ms while its
+// handlers ack after 0-60ms, so that acks and extensions of the same claim rows race all the
+// time. Its lease is longer than any table lock of the run: none of its claims may be lost, and
+// none of its settlements refused.
+const (
+	raceTTL   = 20 * time.Second
+	raceRenew = 20 * time.Millisecond
+	raceWork  = 60 * time.Millisecond
+)
+
+// The table locks: LOCK TABLE of the topic's three tables held for 6-7s while messages are in
+// work, an ALTER TABLE queued behind a transaction that read the table and stays open for a few
+// seconds, and a clean stop of one consumer while the test holds the lock.
+const (
+	tableLockMin  = 6 * time.Second
+	alterBlockFor = 3500 * time.Millisecond
+)
+
 var modes = []sqlbroker.ClaimMode{sqlbroker.ClaimLease, sqlbroker.ClaimAdvisoryLock}
 
 // modeAvailable asks NewSubscriber whether the mode is built yet.
@@ -111,13 +130,34 @@ func TestChaos(t *testing.T) {
 	}
 }
 
+// envSkipLeaseLocks=1 leaves out, in lease mode only, the table locks held while messages are
+// in work (LOCK TABLE, the ALTER pile-up, the clean stop under a lock); the final stop under a
+// lock stays. It is there for a known defect, which the suite reports as unexplained
+// duplicates and refusals while the faults run: a lease-mode claim statement that waits on a
+// table lock for longer than LeaseTTL writes leases that have already run out (visible_at is
+// now() + LeaseTTL, and now() is the start of its transaction), while the subscriber counts
+// its lease from the statement's return; the next claim round takes those messages again, so
+// each is handled twice and its first ack is refused although its lease was never lost.
+const envSkipLeaseLocks = "SQLBROKER_CHAOS_SKIP_LEASE_TABLE_LOCKS"
+
 type totals struct {
+	locksSkipped                         bool
+	lockDeadlocks                        int // the test's LOCK TABLE or DROP COLUMN failed by the deadlock detector, and run again
+	tableLocks, alters, stopLocks        int
+	tableLockHeld                        []time.Duration
+	alterQueued                          []int // library statements queued behind each ALTER
+	stopUnderLock                        []string
+	stopDeadline                         int // shutdowns under a lock that returned their ctx's error
+	queriesCancelled                     int
+	activeAtOnce, locksAtOnce            int
+	main, race                           verdict
+	raceAcked, raceStale, raceLost       int64
+	raceUnique, raceLostMsgs             int
 	mode                                 string
 	published, stored, deliveredUnique   int
-	lost, duplicates, dupKilled          int
-	dupOther, claimsLeft                 int
+	lost, duplicates, claimsLeft         int
 	kills, terminated, xminHolds         int
-	freezes, dupFrozen, probes, revived  int
+	freezes, probes, revived             int
 	restarts                             int
 	publishRetries                       int64
 	stale, leasesLost, nacked, released  int64
@@ -134,14 +174,22 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	topic := testdb.Topic(t, "")
 	tables := offsets.NewTables("", sqlbroker.DefaultTablePrefix, topic)
 	run := strings.ToLower(watermill.NewShortUUID())
-	libPrefix := "sqlbchaoslib" + run // the consumers' library connections
-	pubApp := "sqlbchaospub" + run    // the in-process publishers
-	recApp := "sqlbchaosrec" + run    // the consumers' recording pools (not the library's)
+	libPrefix := "sqlbchaoslib" + run   // the consumers' library connections
+	pubApp := "sqlbchaospub" + run      // the in-process publishers
+	recApp := "sqlbchaosrec" + run      // the consumers' recording pools (not the library's)
+	racePrefix := "sqlbchaosrace" + run // the racing group's library connections
 	results := pgx.Identifier{"chaos_results_" + topic}.Sanitize()
-	_, err := db.Exec(ctx, "CREATE TABLE "+results+` (uuid text NOT NULL, consumer text NOT NULL, pid int NOT NULL,
-		attempt int NOT NULL, kind text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`)
-	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = db.Exec(context.Background(), "DROP TABLE IF EXISTS "+results) })
+	raceResults := pgx.Identifier{"chaos_race_" + topic}.Sanitize()
+	for _, r := range []string{results, raceResults} {
+		_, err := db.Exec(ctx, "CREATE TABLE "+r+` (uuid text NOT NULL, consumer text NOT NULL, pid int NOT NULL,
+			attempt int NOT NULL, kind text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp(), off bigint NOT NULL)`)
+		require.NoError(t, err)
+		t.Cleanup(func() { _, _ = db.Exec(context.Background(), "DROP TABLE IF EXISTS "+r) })
+	}
+	hist := &history{}
+	libApps := func() string { // the library's backends of every consumer and publisher of the run
+		return fmt.Sprintf("(application_name LIKE '%s%%' OR application_name LIKE '%s%%' OR application_name = '%s')", libPrefix, racePrefix, pubApp)
+	}
 
 	// Publishers in this process, one per driver, on pools built from URLs.
 	var pubs []*sqlbroker.Publisher
@@ -164,7 +212,7 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 		total = int(float64(total) * d.Seconds() / 30)
 	}
 
-	f := newFleet(t, consumers, consumerConfig{
+	f := newFleet(t, "c", hist, consumers, consumerConfig{
 		RecordURL: withApp("postgres", recApp), Topic: topic, Group: "chaos", Mode: int(mode), Results: results,
 		MaxInFlight: 32, LeaseTTL: leaseTTL, Renew: renewInterval, Poll: pollInterval, Retry: retryInterval,
 		Timeout: handlerTimeout, Faults: true,
@@ -180,6 +228,125 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 		}
 		return 10
 	})
+	race := newFleet(t, "r", hist, 1, consumerConfig{
+		RecordURL: withApp("postgres", recApp), Topic: topic, Group: "race", Mode: int(sqlbroker.ClaimLease), Results: raceResults,
+		MaxInFlight: 32, LeaseTTL: raceTTL, Renew: raceRenew, Poll: pollInterval, Retry: retryInterval,
+		Timeout: handlerTimeout, WorkMax: raceWork, NoProbes: true,
+	}, func(slot, gen int) string {
+		return withApp("postgres", fmt.Sprintf("%sr%dg%d", racePrefix, slot, gen))
+	}, func(int) int { return 10 })
+
+	var tot totals
+	tot.mode = mode.String()
+
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		// What the consumers logged last, and the messages not handled with their claims.
+		for _, fl := range []*fleet{f, race} {
+			_, _, ps := fl.reports()
+			for _, p := range ps {
+				t.Log(tail(p.logPath, 25))
+			}
+		}
+		rows, err := db.Query(context.Background(), `SELECT m."offset", coalesce((SELECT string_agg(format('group %s offset %s token %s visible_at %s attempts %s', c.*), '; ')
+			FROM `+tables.Claims+` c WHERE c."offset" = m."offset"), 'no claim') FROM `+tables.Messages+` m
+			WHERE NOT EXISTS (SELECT 1 FROM `+results+` r WHERE r.uuid = m.uuid AND r.kind = 'done') ORDER BY 1 LIMIT 20`)
+		if err == nil {
+			for rows.Next() {
+				var off int64
+				var claim string
+				if rows.Scan(&off, &claim) == nil {
+					t.Logf("not handled: offset %d: %s", off, claim)
+				}
+			}
+			rows.Close()
+		}
+		if rows, err := db.Query(context.Background(), `SELECT consumer_group || ' at offset ' || last_offset FROM `+tables.Groups+
+			` UNION ALL SELECT kind || ': ' || count(*) FROM `+results+` GROUP BY kind`); err == nil {
+			got, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+			t.Logf("groups and results: %v; stored %d", got, queryInt(t, "SELECT count(*) FROM "+tables.Messages))
+		}
+		_, events := hist.snapshot()
+		for _, e := range events {
+			if e.Kind == evLockConn {
+				t.Logf("%s %s: lock connection failed: %s", ts(e.At).Format("15:04:05.000"), e.Proc, e.Err)
+			}
+		}
+	})
+
+	// lockTables holds LOCK TABLE on the topic's tables while during runs, and records it.
+	lockTables := func(kind string, during func() []string) {
+		start := time.Now()
+		var tx pgx.Tx
+		for try := 0; ; try++ {
+			var err error
+			tx, err = db.Begin(ctx)
+			require.NoError(t, err)
+			// The three tables are locked one after the other: a statement of the library
+			// holding one and waiting for another is a deadlock, which the server ends by
+			// failing one side; when it is the test's, lock again.
+			_, err = tx.Exec(ctx, "LOCK TABLE "+tables.Messages+", "+tables.Claims+", "+tables.Groups+" IN ACCESS EXCLUSIVE MODE")
+			if err == nil {
+				break
+			}
+			_ = tx.Rollback(ctx)
+			if try < 10 && isDeadlock(err) {
+				tot.lockDeadlocks++
+				continue
+			}
+			require.NoError(t, err)
+		}
+		defer func() { _ = tx.Rollback(context.Background()) }() // a failing test still gives its connection back
+		procs := during()
+		require.NoError(t, tx.Rollback(ctx))
+		hist.add(fault{Kind: kind, Procs: procs, Start: start, End: time.Now()})
+		tot.tableLockHeld = append(tot.tableLockHeld, time.Since(start))
+	}
+	// alter is a migration's pile-up: a transaction reads the table and stays open; an ALTER
+	// TABLE ... ADD COLUMN queues behind it for its ACCESS EXCLUSIVE lock, and every statement
+	// on the table queues behind the ALTER. Once the column is there, a consumer is started
+	// (its Subscribe checks the tables with the extra column), then the column is dropped.
+	alter := func(table string) {
+		start := time.Now()
+		long, err := db.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = long.Rollback(context.Background()) }()
+		_, err = long.Exec(ctx, "SELECT count(*) FROM (SELECT 1 FROM "+table+" LIMIT 1) x")
+		require.NoError(t, err)
+		altered := make(chan error, 1)
+		go func() {
+			_, err := db.Exec(context.Background(), "ALTER TABLE "+table+" ADD COLUMN chaos_migration int")
+			altered <- err
+		}()
+		queued := func() int {
+			return queryInt(t, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+				WHERE NOT l.granted AND l.relation = $1::regclass AND `+libApps(), table)
+		}
+		testdb.Eventually(t, 10*time.Second, "the ALTER queued", func() bool {
+			return queryInt(t, `SELECT count(*) FROM pg_locks WHERE NOT granted AND mode = 'AccessExclusiveLock' AND relation = $1::regclass`, table) > 0
+		})
+		time.Sleep(time.Until(start.Add(alterBlockFor))) // the long transaction stays open
+		tot.alterQueued = append(tot.alterQueued, queued())
+		require.NoError(t, long.Rollback(ctx))
+		require.NoError(t, <-altered) // a deadlock cannot involve it: the test holds nothing else
+		slot := rand.IntN(consumers)
+		f.kill(slot)
+		tot.kills++
+		f.start(slot)
+		f.waitReady(slot) // Subscribe's check of the tables passes with the extra column
+		for try := 0; ; try++ {
+			_, err = db.Exec(ctx, "ALTER TABLE "+table+" DROP COLUMN chaos_migration")
+			if err == nil || try >= 10 || !isDeadlock(err) {
+				break
+			}
+			tot.lockDeadlocks++
+		}
+		require.NoError(t, err)
+		hist.add(fault{Kind: faultAlter, Start: start, End: time.Now()})
+		tot.alters++
+	}
 
 	restartCmd, restarting := restartCommand()
 
@@ -228,22 +395,54 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	go func() { pubWG.Wait(); close(pubDone) }()
 
 	// Inject faults while publishing, and a few seconds beyond.
-	var tot totals
 	var fig recovery
-	tot.mode = mode.String()
 	faultsEnd := time.Now().Add(publishFor + 5*time.Second)
-	cycle := []string{"kill", "terminate", "xmin", "freeze", "terminate", "kill", "terminate", "freeze"}
-	for i := 0; i < 10000 && time.Now().Before(faultsEnd); i++ {
+	cycle := []string{"kill", "tablelock", "terminate", "stoplock", "freeze", "alter", "terminate", "xmin", "kill", "terminate", "freeze"}
+	skipLocks := mode == sqlbroker.ClaimLease && os.Getenv(envSkipLeaseLocks) == "1"
+	if skipLocks {
+		t.Logf("%s=1: no table lock while messages are in work in lease mode (known defect, see envSkipLeaseLocks)", envSkipLeaseLocks)
+		tot.locksSkipped = true
+	}
+	forced := func() bool { return skipLocks || tot.tableLocks > 0 && tot.alters > 0 && tot.stopLocks > 0 }
+	for i := 0; i < 10000 && (time.Now().Before(faultsEnd) || !forced()); i++ {
 		time.Sleep(time.Duration(700+rand.IntN(900)) * time.Millisecond) // pacing, not synchronisation
 		tot.revived += f.revive()
-		fault := cycle[i%len(cycle)]
+		kind := cycle[i%len(cycle)]
 		if restarting && i == 4 {
-			fault = "restart"
+			kind = "restart"
 		}
-		switch fault {
+		if skipLocks && (kind == "tablelock" || kind == "stoplock" || kind == "alter") {
+			kind = "terminate"
+		}
+		switch kind {
 		case "restart":
+			t0 := time.Now()
 			fig.restartTook, fig.restartResume = restartServer(t, restartCmd, pubs[0], topic, results)
+			hist.add(fault{Kind: faultRestart, Start: t0, End: time.Now()})
 			tot.restarts++
+		case "tablelock":
+			lockTables(faultTableLock, func() []string {
+				time.Sleep(tableLockMin + rand.N(time.Second)) // messages in work meanwhile
+				return nil
+			})
+			tot.tableLocks++
+		case "stoplock":
+			slot := rand.IntN(consumers)
+			var stopped string
+			lockTables(faultStopLock, func() []string {
+				time.Sleep(time.Second) // the fleet's statements queue behind the lock
+				stopped = f.stop(slot).id
+				return []string{stopped}
+			})
+			tot.stopLocks++
+			tot.stopUnderLock = append(tot.stopUnderLock, stopped)
+			f.start(slot)
+		case "alter":
+			if tot.alters%2 == 0 {
+				alter(tables.Claims)
+			} else {
+				alter(tables.Messages)
+			}
 		case "kill":
 			slot := rand.IntN(consumers)
 			f.kill(slot)
@@ -251,10 +450,19 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 			time.Sleep(300 * time.Millisecond)
 			f.start(slot)
 		case "terminate":
-			var n int
-			require.NoError(t, db.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM (
-				SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1 || '%' ORDER BY random() LIMIT 2) x`, libPrefix).Scan(&n))
-			tot.terminated += n
+			t0 := time.Now()
+			rows, err := db.Query(ctx, `SELECT application_name FROM (
+				SELECT pid, application_name FROM pg_stat_activity WHERE application_name LIKE $1 || '%' ORDER BY random() LIMIT 2) x
+				WHERE pg_terminate_backend(pid)`, libPrefix)
+			require.NoError(t, err)
+			apps, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			require.NoError(t, err)
+			var procs []string
+			for _, a := range apps {
+				procs = append(procs, strings.TrimPrefix(a, libPrefix))
+			}
+			hist.add(fault{Kind: faultTerminate, Procs: procs, Start: t0, End: time.Now()})
+			tot.terminated += len(apps)
 		case "freeze":
 			f.freeze(rand.IntN(consumers), leaseTTL+time.Second)
 			tot.freezes++
@@ -283,19 +491,29 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	for i := range consumers {
 		f.waitReady(i)
 	}
+	race.waitReady(0)
 
 	// Every message stored is recorded as handled, at least once.
 	stored := func() int { return queryInt(t, "SELECT count(DISTINCT uuid) FROM "+tables.Messages) }
 	unique := func() int { return queryInt(t, "SELECT count(DISTINCT uuid) FROM "+results+" WHERE kind = 'done'") }
 	testdb.Eventually(t, 2*time.Minute, "every message handled", func() bool { return unique() >= stored() })
+	raceUnique := func() int { return queryInt(t, "SELECT count(DISTINCT uuid) FROM "+raceResults+" WHERE kind = 'done'") }
+	testdb.Eventually(t, 2*time.Minute, "every message handled by the racing group", func() bool { return raceUnique() >= stored() })
 	testdb.Eventually(t, 30*time.Second, "every claim settled", func() bool {
 		return queryInt(t, "SELECT count(*) FROM "+tables.Claims) == 0
 	})
 
 	measureRecovery(t, f, pubs[0], topic, results, libPrefix, &fig)
 
-	// Stop every consumer cleanly, then the publishers.
-	f.stopAll()
+	// Stop every consumer cleanly while the test holds a table lock (their claim statements
+	// wait on it), then the publishers.
+	lockTables(faultTableLock, func() []string {
+		time.Sleep(500 * time.Millisecond)
+		f.stopAll()
+		race.stopAll()
+		return nil
+	})
+	tot.tableLocks++
 	for _, b := range brokers {
 		_, err := b.Shutdown(ctx)
 		require.NoError(t, err)
@@ -309,9 +527,35 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	tot.deliveredUnique = queryInt(t, "SELECT count(DISTINCT r.uuid) FROM "+results+" r JOIN "+tables.Messages+" m USING (uuid) WHERE r.kind = 'done'")
 	tot.lost = queryInt(t, "SELECT count(*) FROM "+tables.Messages+" m WHERE NOT EXISTS (SELECT 1 FROM "+results+" r WHERE r.uuid = m.uuid AND r.kind = 'done')")
 	tot.claimsLeft = queryInt(t, "SELECT count(*) FROM "+tables.Claims)
-	tot.duplicates, tot.dupKilled, tot.dupFrozen = duplicates(t, f, results)
-	tot.dupOther = tot.duplicates - tot.dupKilled - tot.dupFrozen
+	faults, events := hist.snapshot()
+	chk := &checker{faults: faults, events: events, lease: func(proc string) (time.Duration, time.Duration, bool) {
+		if strings.HasPrefix(proc, "r") {
+			return raceTTL, raceRenew, false
+		}
+		return leaseTTL, renewInterval, mode == sqlbroker.ClaimAdvisoryLock
+	}}
+	tot.main = chk.check(t, "c", results)
+	tot.race = chk.check(t, "r", raceResults)
+	tot.duplicates = tot.main.duplicates
+	tot.raceUnique = queryInt(t, "SELECT count(DISTINCT r.uuid) FROM "+raceResults+" r JOIN "+tables.Messages+" m USING (uuid) WHERE r.kind = 'done'")
+	tot.raceLostMsgs = queryInt(t, "SELECT count(*) FROM "+tables.Messages+" m WHERE NOT EXISTS (SELECT 1 FROM "+raceResults+" r WHERE r.uuid = m.uuid AND r.kind = 'done')")
+	raceLast, _, _ := race.reports()
+	for _, r := range raceLast {
+		tot.raceAcked += r.Stats.Acked
+		tot.raceStale += r.Stats.StaleSettlements
+		tot.raceLost += r.Stats.LeasesLost
+	}
 	last, final, procs := f.reports()
+	_, _, raceProcs := race.reports()
+	for k, v := range raceLast {
+		last[k] = v
+	}
+	_, raceFinal, _ := race.reports()
+	for k, v := range raceFinal {
+		final[k] = v
+	}
+	mainProcs := len(procs)
+	procs = append(procs, raceProcs...)
 	tot.processes = len(procs)
 	var fromStats []string
 	for _, p := range procs {
@@ -327,9 +571,21 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 			tot.cleanExits++
 			tot.procConnsLeft += r.ConnsLeft
 			tot.procLocksLeft += r.LocksLeft
-			assert.Empty(t, r.ShutdownErr, "consumer %s shutdown", p.id)
+			tot.activeAtOnce += r.ActiveAtOnce
+			tot.locksAtOnce += r.LocksAtOnce
+			tot.queriesCancelled += r.Report.QueriesCancelled
+			assert.Zero(t, r.ActiveAtOnce, "consumer %s: library backends active or waiting right after its shutdown returned (report %+v)", p.id, r.Report)
+			assert.Zero(t, r.LocksAtOnce, "consumer %s: advisory locks held right after its shutdown returned (report %+v)", p.id, r.Report)
+			if p.stopped && strings.Contains(r.ShutdownErr, context.DeadlineExceeded.Error()) {
+				// Stopped while the test held a table lock with messages in work: their
+				// settlements wait on the lock, and the shutdown's deadline comes first.
+				tot.stopDeadline++
+			} else {
+				assert.Empty(t, r.ShutdownErr, "consumer %s shutdown (report %+v)", p.id, r.Report)
+			}
 			if !p.revived {
 				assert.Empty(t, r.RunErr, "consumer %s run", p.id)
+				assert.Equal(t, 1, r.Report.Subscriptions, "consumer %s: the report of its shutdown counts its one subscription: %+v", p.id, r.Report)
 			}
 		} else {
 			fromStats = append(fromStats, p.id)
@@ -337,11 +593,11 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	}
 	tot.statsFrom = fmt.Sprintf("%d clean exits; %d killed processes counted up to their last second", tot.cleanExits, len(fromStats))
 	testdb.Eventually(t, 10*time.Second, "no library connection left", func() bool {
-		return queryInt(t, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1 || '%' OR application_name = $2", libPrefix, pubApp) == 0
+		return queryInt(t, "SELECT count(*) FROM pg_stat_activity WHERE "+libApps()) == 0
 	})
-	tot.connsLeft = queryInt(t, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1 || '%' OR application_name = $2", libPrefix, pubApp)
+	tot.connsLeft = queryInt(t, "SELECT count(*) FROM pg_stat_activity WHERE "+libApps())
 	tot.locksLeft = queryInt(t, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-		WHERE l.locktype = 'advisory' AND (a.application_name LIKE $1 || '%' OR a.application_name = $2)`, libPrefix, pubApp)
+		WHERE l.locktype = 'advisory' AND `+libApps())
 	tot.elapsed = time.Since(start)
 
 	printTotals(t, tot, fig)
@@ -354,7 +610,18 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	assert.Zero(t, tot.connsLeft, "library connections left")
 	assert.Zero(t, tot.procLocksLeft, "advisory locks left after a consumer's shutdown")
 	assert.Zero(t, tot.procConnsLeft, "library connections left after a consumer's shutdown")
-	assert.Equal(t, consumers+tot.revived, tot.cleanExits-countKilledWithFinal(procs, final), "every consumer not killed exits cleanly")
+	assert.Equal(t, consumers+1+tot.revived+len(tot.stopUnderLock), tot.cleanExits-countKilledWithFinal(procs, final), "every consumer not killed exits cleanly")
+	assert.Zero(t, tot.main.unexplainedRefusals+tot.race.unexplainedRefusals, "unexplained refused settlements")
+	assert.Zero(t, tot.main.unexplainedLosses+tot.race.unexplainedLosses, "unexplained lost claims")
+	assert.Zero(t, tot.main.unexplainedDuplicates+tot.race.unexplainedDuplicates, "unexplained duplicates")
+	for _, u := range append(tot.main.unexplained, tot.race.unexplained...) {
+		t.Log(u)
+	}
+	assert.Zero(t, tot.raceLostMsgs, "messages the racing group never handled")
+	assert.Zero(t, tot.raceStale, "settlements of the racing group refused (its leases outlast every fault)")
+	assert.Zero(t, tot.raceLost, "leases of the racing group lost")
+	assert.Zero(t, tot.race.duplicates, "duplicates in the racing group")
+	_ = mainProcs
 	if t.Failed() {
 		for _, p := range procs {
 			t.Log(tail(p.logPath, 20))
@@ -373,41 +640,9 @@ func countKilledWithFinal(procs []*proc, final map[string]bool) int {
 	return n
 }
 
-// duplicates counts the extra handlings of messages, and of them those explained by a kill (the
-// first handling was by a process killed afterwards, whose ack had not reached the database)
-// and by a freeze (a process that handled the message was stopped past its lease: the message
-// went to another consumer, and the frozen one's late ack was refused as stale). Any other
-// comes from a settlement that could not be applied before the lease ran out (a terminated
-// connection, an exhausted pool, a handler that outlived its lease).
-func duplicates(t *testing.T, f *fleet, results string) (all, byKill, byFreeze int) {
-	_, _, procs := f.reports()
-	var killed, frozen []string
-	for _, p := range procs {
-		if p.killed {
-			killed = append(killed, p.id)
-		}
-		if p.frozen {
-			frozen = append(frozen, p.id)
-		}
-	}
-	rows, err := testdb.Pgx(t).Query(context.Background(), `SELECT array_agg(consumer ORDER BY at)
-		FROM `+results+` WHERE kind = 'done' GROUP BY uuid HAVING count(*) > 1`)
-	require.NoError(t, err)
-	defer rows.Close()
-	for rows.Next() {
-		var by []string
-		require.NoError(t, rows.Scan(&by))
-		extra := len(by) - 1
-		all += extra
-		switch {
-		case slices.Contains(killed, by[0]):
-			byKill += extra
-		case slices.ContainsFunc(by, func(c string) bool { return slices.Contains(frozen, c) }):
-			byFreeze += extra
-		}
-	}
-	require.NoError(t, rows.Err())
-	return all, byKill, byFreeze
+func isDeadlock(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "40P01"
 }
 
 func queryInt(t *testing.T, sql string, args ...any) int {
@@ -444,10 +679,12 @@ func measureRecovery(t *testing.T, f *fleet, pub *sqlbroker.Publisher, topic, re
 		require.NoError(t, db.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&ts))
 		return ts
 	}
-	ping := func(fault bool) time.Duration {
-		if fault {
+	ping := func(terminate bool) time.Duration {
+		if terminate {
+			t0 := time.Now()
 			_, err := db.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE $1 || '%'", libPrefix)
 			require.NoError(t, err)
+			f.hist.add(fault{Kind: faultTerminate, Procs: f.ids(), Start: t0, End: time.Now()})
 		}
 		t0 := now()
 		msg := message.NewMessage(watermill.NewUUID(), []byte(probePing))
@@ -538,10 +775,26 @@ func printTotals(t *testing.T, tot totals, fig recovery) {
 	fmt.Fprintf(&b, "published               %d (%d probes of the recovery measurements included; stored %d distinct)\n", tot.published, tot.probes, tot.stored)
 	fmt.Fprintf(&b, "delivered unique        %d\n", tot.deliveredUnique)
 	fmt.Fprintf(&b, "lost                    %d\n", tot.lost)
-	fmt.Fprintf(&b, "duplicates              %d (%d: first handled by a process killed before its ack applied; %d: handled by a process frozen past its lease, whose late ack was refused as stale; %d: other settlements not applied before the lease ran out)\n", tot.duplicates, tot.dupKilled, tot.dupFrozen, tot.dupOther)
+	fmt.Fprintf(&b, "duplicates              %d, unexplained %d (every duplicate handling explained by what happened to the handling before it: below)\n", tot.main.duplicates, tot.main.unexplainedDuplicates)
 	fmt.Fprintf(&b, "claims left             %d\n", tot.claimsLeft)
 	fmt.Fprintf(&b, "stale settlements       %d refused (leases lost %d, nacks applied %d, claims released %d; %s)\n", tot.stale, tot.leasesLost, tot.nacked, tot.released, tot.statsFrom)
+	fmt.Fprintf(&b, "unexplained refusals    %d (of %d refused or not applied in the history)\n", tot.main.unexplainedRefusals, tot.main.refusals)
+	fmt.Fprintf(&b, "unexplained duplicates  %d\n", tot.main.unexplainedDuplicates)
+	fmt.Fprintf(&b, "unexplained lost claims %d (of %d)\n", tot.main.unexplainedLosses, tot.main.losses)
+	if tot.main.lockConns > 0 {
+		fmt.Fprintf(&b, "lock connections failed %d (%d without a fault of the test: the library closed them itself)\n", tot.main.lockConns, tot.main.lockConnsAlone)
+	}
+	fmt.Fprintf(&b, "explained by\n%s", fmtWhy(tot.main.byWhy))
 	fmt.Fprintf(&b, "faults injected         %d SIGKILL+restart, %d SIGSTOP for %s then SIGCONT, %d backends terminated, %d xmin holds of 3s, 1 pool of 2 connections for 32 in flight, handlers panicking/nacking/timing out on ~9%% of messages\n", tot.kills, tot.freezes, leaseTTL+time.Second, tot.terminated, tot.xminHolds)
+	fmt.Fprintf(&b, "table locks             %d LOCK TABLE ... IN ACCESS EXCLUSIVE MODE of the topic's tables held %s (%d of them during a clean stop of %v, and one during the final stop of every consumer); %d ALTER TABLE ... ADD COLUMN queued %s behind a reading transaction, with %v library statements queued behind them; %d of the test's lock statements ended by the deadlock detector and run again\n",
+		tot.tableLocks+tot.stopLocks, fmtDurations(tot.tableLockHeld), tot.stopLocks, tot.stopUnderLock, tot.alters, alterBlockFor, tot.alterQueued, tot.lockDeadlocks)
+	if tot.locksSkipped {
+		fmt.Fprintf(&b, "table locks while messages are in work: left out (%s=1, a known defect of the lease-mode claim under a lock)\n", envSkipLeaseLocks)
+	}
+	fmt.Fprintf(&b, "shutdowns               %d clean; right after each returned: %d library backends active or waiting, %d advisory locks held; claim statements cancelled on the server %d; %d stopped under a lock returned at their deadline\n",
+		tot.cleanExits, tot.activeAtOnce, tot.locksAtOnce, tot.queriesCancelled, tot.stopDeadline)
+	fmt.Fprintf(&b, "racing group            lease mode, LeaseRenewInterval %s, LeaseTTL %s, handlers ack after 0-%s: %d acks applied, %d refused, %d leases lost, %d duplicates (unexplained %d), %d of %d messages handled\n",
+		raceRenew, raceTTL, raceWork, tot.raceAcked, tot.raceStale, tot.raceLost, tot.race.duplicates, tot.race.unexplainedDuplicates+tot.race.unexplainedRefusals+tot.race.unexplainedLosses, tot.raceUnique, tot.stored)
 	fmt.Fprintf(&b, "advisory locks left     %d (in pg_locks after shutdown; each consumer's own count after its shutdown: %d)\n", tot.locksLeft, tot.procLocksLeft)
 	fmt.Fprintf(&b, "library connections left %d (pg_stat_activity by application_name; each consumer's own count after its shutdown: %d)\n", tot.connsLeft, tot.procConnsLeft)
 	fmt.Fprintf(&b, "processes               %d started, %d clean exits (%d of them after a Subscribe that failed on a terminated connection, then restarted)\n", tot.processes, tot.cleanExits, tot.revived)

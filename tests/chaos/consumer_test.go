@@ -48,6 +48,8 @@ type consumerConfig struct {
 	Retry       time.Duration
 	Timeout     time.Duration // handler timeout (middleware.Timeout)
 	Faults      bool          // handlers panic, nack and time out for some messages
+	WorkMax     time.Duration // without Faults: each handler works a random 0..WorkMax before it returns
+	NoProbes    bool          // the probes of the recovery measurements are ordinary messages here
 }
 
 // consumerReport is printed by a consumer process: every second (CHAOS-STATS) and at a clean
@@ -61,6 +63,107 @@ type consumerReport struct {
 	RunErr      string // router.Run's error: the consumer could not subscribe
 	ConnsLeft   int    // the library's backends still in pg_stat_activity after the shutdown
 	LocksLeft   int    // advisory locks those backends hold
+	// Read once, at once after the shutdown returned: the library's backends running or
+	// waiting on a statement (any state but idle), and the advisory locks they hold.
+	ActiveAtOnce int
+	LocksAtOnce  int
+}
+
+// event is what a consumer process saw happen to a claim, printed as CHAOS-EVENT at once (a
+// process killed later keeps what it printed): the history check explains every refused
+// settlement and every duplicate with these and with the faults the test injected.
+type event struct {
+	Proc       string
+	Kind       string // evLeaseLost, evLockLost, evLockConn, evRefused, evNotApplied, evShutdown
+	Offset     int64
+	At         int64 // time.Now().UnixNano() in the process (one clock: the same machine)
+	Began      int64 // when the handler of the offset's latest delivery in this process began
+	Op         string
+	LostBefore bool   // the refusal's log says the claim was lost before the settlement ran
+	Closed     bool   // the refusal says the subscriber had shut down (advisory mode)
+	Err        string // evLockConn: why the lock connection failed
+}
+
+const (
+	evLeaseLost  = "lease-lost"  // "Lease lost": the lease ran out or its extension was refused
+	evLockLost   = "lock-lost"   // "Advisory lock lost with its connection"
+	evLockConn   = "lockconn"    // "Lock connection failed": every lock it held is gone
+	evRefused    = "refused"     // a settlement refused as stale
+	evNotApplied = "not-applied" // "Settlement failed and the lease ran out"
+	evShutdown   = "shutdown"    // the process was told to stop (SIGTERM)
+)
+
+// eventLog prints events; began keeps when the handler of each offset's latest delivery began.
+type eventLog struct {
+	proc  string
+	mu    sync.Mutex
+	began map[int64]int64
+}
+
+func (l *eventLog) start(offset int64) {
+	l.mu.Lock()
+	l.began[offset] = time.Now().UnixNano()
+	l.mu.Unlock()
+}
+
+func (l *eventLog) emit(e event) {
+	e.Proc = l.proc
+	e.At = time.Now().UnixNano()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e.Began = l.began[e.Offset]
+	b, _ := json.Marshal(e)
+	fmt.Printf("CHAOS-EVENT %s\n", b)
+}
+
+// recordingLogger is the library's logger in a consumer: it logs to stderr and turns the lines
+// that say a claim was lost, a lock connection failed or a settlement was refused or not applied
+// into events, with their offsets.
+type recordingLogger struct {
+	inner watermill.LoggerAdapter
+	log   *eventLog
+}
+
+func (r recordingLogger) Error(msg string, err error, fields watermill.LogFields) {
+	r.inner.Error(msg, err, fields)
+	var stale *sqlbroker.StaleSettlementError
+	switch {
+	case errors.As(err, &stale):
+		lost, _ := fields["lease_lost_before"].(bool)
+		lockLost, _ := fields["lock_lost_before"].(bool)
+		r.log.emit(event{Kind: evRefused, Offset: stale.Offset, Op: stale.Op,
+			LostBefore: lost || lockLost || strings.Contains(msg, "lock was lost"), Closed: errors.Is(err, sqlbroker.ErrClosed)})
+	case strings.HasPrefix(msg, "Settlement failed and the lease ran out"):
+		r.log.emit(event{Kind: evNotApplied, Offset: offsetField(fields)})
+	case strings.HasPrefix(msg, "Lock connection failed"):
+		r.log.emit(event{Kind: evLockConn, Err: fmt.Sprint(err)})
+	}
+}
+
+func (r recordingLogger) Info(msg string, fields watermill.LogFields) {
+	r.inner.Info(msg, fields)
+	switch {
+	case strings.HasPrefix(msg, "Lease lost"):
+		r.log.emit(event{Kind: evLeaseLost, Offset: offsetField(fields)})
+	case strings.HasPrefix(msg, "Advisory lock lost"):
+		r.log.emit(event{Kind: evLockLost, Offset: offsetField(fields)})
+	}
+}
+
+func (r recordingLogger) Debug(msg string, fields watermill.LogFields) { r.inner.Debug(msg, fields) }
+func (r recordingLogger) Trace(msg string, fields watermill.LogFields) { r.inner.Trace(msg, fields) }
+func (r recordingLogger) With(fields watermill.LogFields) watermill.LoggerAdapter {
+	return recordingLogger{inner: r.inner.With(fields), log: r.log}
+}
+
+func offsetField(fields watermill.LogFields) int64 {
+	switch v := fields["offset"].(type) {
+	case int64:
+		return v
+	case int:
+		return int64(v)
+	}
+	return -1
 }
 
 func printReport(kind string, r consumerReport) {
@@ -94,7 +197,12 @@ func runConsumer() int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	logger := watermill.NewStdLoggerWithOut(os.Stderr, false, false)
+	events := &eventLog{proc: cfg.ID, began: map[int64]int64{}}
+	logger := recordingLogger{inner: watermill.NewStdLoggerWithOut(os.Stderr, false, false), log: events}
+	go func() {
+		<-ctx.Done()
+		events.emit(event{Kind: evShutdown, Offset: -1})
+	}()
 
 	recCfg, err := pgxpool.ParseConfig(cfg.RecordURL)
 	if err != nil {
@@ -113,8 +221,9 @@ func runConsumer() int {
 		rctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		attempt, _ := strconv.Atoi(msg.Metadata.Get(sqlbroker.MetadataAttempt))
-		_, err := rec.Exec(rctx, "INSERT INTO "+cfg.Results+` (uuid, consumer, pid, attempt, kind) VALUES ($1, $2, $3, $4, $5)`,
-			msg.UUID, cfg.ID, pid, attempt, kind)
+		off, _ := strconv.ParseInt(msg.Metadata.Get(sqlbroker.MetadataOffset), 10, 64)
+		_, err := rec.Exec(rctx, "INSERT INTO "+cfg.Results+` (uuid, consumer, pid, attempt, kind, off) VALUES ($1, $2, $3, $4, $5, $6)`,
+			msg.UUID, cfg.ID, pid, attempt, kind, off)
 		return err
 	}
 
@@ -149,6 +258,9 @@ func runConsumer() int {
 	// does not otherwise need.
 	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
+			if off, err := strconv.ParseInt(msg.Metadata.Get(sqlbroker.MetadataOffset), 10, 64); err == nil {
+				events.start(off)
+			}
 			tctx, cancel := context.WithTimeout(msg.Context(), cfg.Timeout)
 			defer cancel()
 			msg.SetContext(tctx)
@@ -157,7 +269,11 @@ func runConsumer() int {
 	})
 	router.AddNoPublisherHandler("chaos", cfg.Topic, sub, func(msg *message.Message) error {
 		attempt, _ := strconv.Atoi(msg.Metadata.Get(sqlbroker.MetadataAttempt))
-		switch string(msg.Payload) {
+		payload := string(msg.Payload)
+		if cfg.NoProbes {
+			payload = ""
+		}
+		switch payload {
 		case probeHold:
 			if attempt == 1 {
 				if err := record(msg, "seen"); err != nil {
@@ -181,6 +297,8 @@ func runConsumer() int {
 				return fmt.Errorf("chaos: the handler timed out: %w", context.Cause(msg.Context()))
 			}
 			time.Sleep(time.Duration(rand.IntN(5)) * time.Millisecond) // some work, so that handlers overlap
+		} else if cfg.WorkMax > 0 {
+			time.Sleep(rand.N(cfg.WorkMax)) // acks land anywhere between two lease extensions
 		}
 		return record(msg, "done")
 	})
@@ -233,6 +351,11 @@ func runConsumer() int {
 	app := appName(cfg.URL)
 	qctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	if err := rec.QueryRow(qctx, `SELECT count(*) FILTER (WHERE state IS DISTINCT FROM 'idle'), (SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+			WHERE l.locktype = 'advisory' AND a.application_name = $1)
+			FROM pg_stat_activity WHERE application_name = $1`, app).Scan(&out.ActiveAtOnce, &out.LocksAtOnce); err != nil {
+		out.ShutdownErr += "; counting what was left: " + err.Error()
+	}
 	for {
 		err := rec.QueryRow(qctx, `SELECT count(*), (SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
 			WHERE l.locktype = 'advisory' AND a.application_name = $1)

@@ -25,13 +25,59 @@ type proc struct {
 	killed  bool          // ended by SIGKILL
 	frozen  bool          // stopped with SIGSTOP for longer than a lease, then continued
 	revived bool          // exited by itself (its Router could not run) and was started again
+	stopped bool          // stopped with SIGTERM in the middle of the run, then started again
 	exitErr error
+}
+
+// fault is one fault the test injected, for the history check: its kind, the processes it hit
+// (none: every process, such as a table lock) and when.
+type fault struct {
+	Kind       string // see the fault* constants
+	Procs      []string
+	Start, End time.Time
+}
+
+const (
+	faultKill      = "kill"      // SIGKILL
+	faultFreeze    = "freeze"    // SIGSTOP for longer than the lease, then SIGCONT
+	faultTerminate = "terminate" // pg_terminate_backend of library connections of Procs
+	faultTableLock = "tablelock" // LOCK TABLE of the topic's tables, held by the test
+	faultAlter     = "alter"     // ALTER TABLE queued behind a long transaction, and what queued behind it
+	faultStopLock  = "stoplock"  // a clean stop (SIGTERM) of Procs while the test holds a table lock
+	faultRestart   = "restart"   // PostgreSQL restarted
+)
+
+// history keeps the faults of a run and the events every consumer process printed.
+type history struct {
+	mu     sync.Mutex
+	faults []fault
+	events []event
+}
+
+func (h *history) add(f fault) {
+	h.mu.Lock()
+	h.faults = append(h.faults, f)
+	h.mu.Unlock()
+}
+
+func (h *history) addEvent(e event) {
+	h.mu.Lock()
+	h.events = append(h.events, e)
+	h.mu.Unlock()
+}
+
+func (h *history) snapshot() ([]fault, []event) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]fault(nil), h.faults...), append([]event(nil), h.events...)
 }
 
 // fleet starts, kills and stops the consumer processes of one scenario, and keeps the figures
 // they print.
 type fleet struct {
 	t       *testing.T
+	name    string // the first letter of its process ids: "c1g3"
+	hist    *history
 	dir     string
 	base    consumerConfig
 	urlFor  func(slot, gen int) string // the library URL of a process (driver and application_name)
@@ -46,8 +92,8 @@ type fleet struct {
 	killedN int
 }
 
-func newFleet(t *testing.T, n int, base consumerConfig, urlFor func(slot, gen int) string, maxConn func(int) int) *fleet {
-	f := &fleet{t: t, dir: t.TempDir(), base: base, urlFor: urlFor, maxConn: maxConn,
+func newFleet(t *testing.T, name string, hist *history, n int, base consumerConfig, urlFor func(slot, gen int) string, maxConn func(int) int) *fleet {
+	f := &fleet{t: t, name: name, hist: hist, dir: t.TempDir(), base: base, urlFor: urlFor, maxConn: maxConn,
 		slots: make([]*proc, n), gens: make([]int, n), last: map[string]consumerReport{}, final: map[string]bool{}}
 	t.Cleanup(f.killAll)
 	for i := range n {
@@ -66,7 +112,7 @@ func (f *fleet) start(i int) *proc {
 	gen := f.gens[i]
 	f.mu.Unlock()
 	cfg := f.base
-	cfg.ID = fmt.Sprintf("c%dg%d", i, gen)
+	cfg.ID = fmt.Sprintf("%s%dg%d", f.name, i, gen)
 	cfg.URL = f.urlFor(i, gen)
 	cfg.MaxConns = f.maxConn(i)
 	b, err := json.Marshal(cfg)
@@ -100,6 +146,11 @@ func (f *fleet) start(i int) *proc {
 			switch kind {
 			case "CHAOS-READY":
 				readyOnce.Do(func() { close(p.ready) })
+			case "CHAOS-EVENT":
+				var e event
+				if json.Unmarshal([]byte(rest), &e) == nil {
+					f.hist.addEvent(e)
+				}
 			case "CHAOS-STATS", "CHAOS-FINAL":
 				var r consumerReport
 				if json.Unmarshal([]byte(rest), &r) == nil {
@@ -141,7 +192,9 @@ func (f *fleet) kill(i int) *proc {
 	p.killed = true
 	f.killedN++
 	f.mu.Unlock()
+	at := time.Now()
 	_ = p.cmd.Process.Signal(syscall.SIGKILL)
+	f.hist.add(fault{Kind: faultKill, Procs: []string{p.id}, Start: at, End: at})
 	select {
 	case <-p.done:
 	case <-time.After(30 * time.Second):
@@ -158,9 +211,42 @@ func (f *fleet) freeze(i int, d time.Duration) {
 	p := f.slots[i]
 	p.frozen = true
 	f.mu.Unlock()
+	start := time.Now()
 	_ = p.cmd.Process.Signal(syscall.SIGSTOP)
 	time.Sleep(d) // the length of the stall
+	end := time.Now()
 	_ = p.cmd.Process.Signal(syscall.SIGCONT)
+	f.hist.add(fault{Kind: faultFreeze, Procs: []string{p.id}, Start: start, End: end})
+}
+
+// stop stops slot i's process cleanly (SIGTERM: the Router and its hook shut the broker down)
+// and waits until it has exited and printed its final report; the caller starts the slot again.
+func (f *fleet) stop(i int) *proc {
+	f.mu.Lock()
+	p := f.slots[i]
+	p.stopped = true
+	f.mu.Unlock()
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+		if p.exitErr != nil {
+			f.t.Errorf("consumer %s: %v\n%s", p.id, p.exitErr, tail(p.logPath, 40))
+		}
+	case <-time.After(30 * time.Second):
+		f.t.Errorf("consumer %s did not stop within 30s of SIGTERM\n%s", p.id, tail(p.logPath, 40))
+	}
+	return p
+}
+
+// ids returns the ids of the running processes.
+func (f *fleet) ids() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var ids []string
+	for _, p := range f.slots {
+		ids = append(ids, p.id)
+	}
+	return ids
 }
 
 // revive starts again, as a supervisor would, every process that exited by itself: a consumer
