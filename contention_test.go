@@ -79,3 +79,77 @@ func TestSubscriber_L3_ackRacingExtensionIsApplied(t *testing.T) {
 		})
 	}
 }
+
+// A claim that waited on a table lock longer than the lease (a migration's LOCK TABLE) writes
+// a lease counted from when it wrote the claim, not from when the statement began: the
+// group's other consumer does not take the message again while its handler works, and the
+// message is handled once (C1, L1).
+func TestSubscriber_C1_claimBlockedLongerThanLeaseKeepsItsLease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pool := testdb.Pgx(t)
+	pub := newPublisher(t, pgxDB(t))
+	cfg := sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: time.Second, LeaseRenewInterval: 300 * time.Millisecond,
+		PollInterval: 50 * time.Millisecond}
+	var outs []<-chan *message.Message
+	for range 2 {
+		sub := newSubscriber(t, cfg)
+		out, err := sub.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		outs = append(outs, out)
+	}
+
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, "LOCK TABLE "+tables(topic).Claims+" IN ACCESS EXCLUSIVE MODE")
+	require.NoError(t, err)
+	publish(t, pub, topic, "blocked")
+	testdb.Eventually(t, 10*time.Second, "a claim waiting on the table lock", func() bool {
+		return queryInt(t, "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = $1::regclass", tables(topic).Claims) > 0
+	})
+	time.Sleep(2 * time.Second) // longer than the lease: what is tested is the wait
+	require.NoError(t, tx.Commit(ctx))
+
+	var mu sync.Mutex
+	var got []*message.Message
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	for _, out := range outs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case m, ok := <-out:
+					if !ok {
+						return
+					}
+					mu.Lock()
+					got = append(got, m)
+					mu.Unlock()
+				case <-done:
+					return
+				}
+			}
+		}()
+	}
+	testdb.Eventually(t, 10*time.Second, "the message delivered", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(got) > 0
+	})
+	time.Sleep(2 * time.Second) // the handler works past the lease; it is extended meanwhile
+	close(done)
+	wg.Wait()
+	for _, m := range got {
+		t.Logf("attempt %s offset %s", m.Metadata.Get(sqlbroker.MetadataAttempt), m.Metadata.Get(sqlbroker.MetadataOffset))
+	}
+	t.Logf("claims: %v", queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE visible_at < now()"))
+	require.Len(t, got, 1, "the message was taken again while its handler worked")
+	got[0].Ack()
+	testdb.Eventually(t, 10*time.Second, "the ack applied", func() bool {
+		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims) == 0
+	})
+}

@@ -541,7 +541,7 @@ func (sub *subscription) claimLoop() {
 		}
 		idle = sub.cfg.PollInterval
 		sub.s.stats.claimed.Add(int64(len(claimed)))
-		sub.register(claimed, token)
+		sub.register(claimed, token, now)
 	}
 }
 
@@ -739,8 +739,12 @@ func (sub *subscription) releaseRows(fs []offsets.Fenced, failed string) (int, b
 
 // register puts claimed messages in the work set and queues them for handOutLoop; the queue
 // holds every token of held, so this never blocks.
-func (sub *subscription) register(claimed []offsets.Claimed, token int64) {
-	deadline := time.Now().Add(sub.cfg.LeaseTTL)
+func (sub *subscription) register(claimed []offsets.Claimed, token int64, sent time.Time) {
+	// The database counts the lease from when it wrote the claim, which is after sent (the
+	// statement may have waited on a lock): counted from sent, the local deadline never
+	// outlives the database's. A claim that waited longer than the lease arrives with its
+	// local deadline passed; its first extension moves both.
+	deadline := sent.Add(sub.cfg.LeaseTTL)
 	ds := make([]*delivery, len(claimed))
 	sub.mu.Lock()
 	for i, c := range claimed {

@@ -84,7 +84,7 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	LIMIT $4 - (SELECT count(*) FROM due)
 ), ins AS (
 	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
-	SELECT $1, m."offset", $2, (SELECT now() + $3::float8 * interval '1 millisecond'), 1 FROM m
+	SELECT $1, m."offset", $2, (SELECT clock_timestamp() + $3::float8 * interval '1 millisecond'), 1 FROM m
 )`+claimTailSQL("m"), t.Groups, t.Messages, t.Claims, with, cond)
 	}
 	s.claimSQL = claim(dueSQL, leasedAgainSQL)
@@ -132,7 +132,13 @@ SELECT k.o, EXISTS (SELECT 1 FROM d WHERE d."offset" = k.o) FROM k`, t.Claims)
 	// they were counted as is taken back.
 	s.releaseSQL = settle(`UPDATE %[1]s c SET "token" = 0, "visible_at" = now(), "attempts" = greatest(c."attempts" - 1, 0)`)
 
-	s.extendSQL = settle(`UPDATE %[1]s c SET "visible_at" = now() + $4::float8 * interval '1 millisecond'`)
+	// The lease deadlines of claims and extensions count from when the row is written
+	// (clock_timestamp), not from the start of the statement (now): a statement that waited
+	// on a lock longer than the lease (a migration's table lock) would otherwise write a lease
+	// that has already run out, and the group's next claim would take the message again while
+	// its handler works. The subscriber counts its own deadline from before the statement was
+	// sent, so it never outlives the database's.
+	s.extendSQL = settle(`UPDATE %[1]s c SET "visible_at" = clock_timestamp() + $4::float8 * interval '1 millisecond'`)
 
 	s.insertPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata") VALUES `, t.Messages)
 
@@ -185,7 +191,7 @@ const dueSQL = `due AS (
 // leasedAgainSQL is the step r of the lease mode's claim: the due claims, taken again under
 // the new token and lease, one attempt more (lockedAgainSQL is the advisory mode's).
 const leasedAgainSQL = `r AS (
-	UPDATE %[3]s c SET "token" = $2, "visible_at" = (SELECT now() + $3::float8 * interval '1 millisecond'), "attempts" = c."attempts" + 1
+	UPDATE %[3]s c SET "token" = $2, "visible_at" = (SELECT clock_timestamp() + $3::float8 * interval '1 millisecond'), "attempts" = c."attempts" + 1
 	FROM due WHERE c."group_id" = $1 AND c."offset" = due."offset"
 	RETURNING c."offset", c."attempts"
 )`
