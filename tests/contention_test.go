@@ -106,60 +106,70 @@ func ungrantedLocks(t *testing.T, app string) int {
 }
 
 // C1: a table lock of 7 s (longer than any client-side timeout of the library) while four
-// advisory-mode deliveries are in work costs nothing: the claims blocked behind it give up on
-// the server and are retried, the lock connection stays, the four keep their locks, and their
-// acks, made while the tables are locked, are applied once the lock goes. No lease lost, no
-// redelivery.
+// deliveries are in work costs nothing, in both claim modes: the claims blocked behind it give
+// up on the server and are retried; in advisory mode the lock connection stays and the four
+// keep their locks, in lease mode their leases are extended once the lock goes (the default
+// lease, 30 s, outlasts it); their acks, made while the tables are locked, are applied once
+// the lock goes. No lease lost, no redelivery.
 func TestAdvisory_C1_tableLockKeepsLocks(t *testing.T) {
 	t.Parallel()
-	for _, d := range []string{"pgx", "libpq"} {
-		t.Run(d, func(t *testing.T) {
-			t.Parallel()
-			const n = 4
-			const hold = 7 * time.Second
-			db, app := appDB(t, d)
-			topic, group := advTopic("adv_c1"), "g"
-			key1 := lockKey1(topic, group)
-			publishN(t, db, topic, n)
-			sub := advSubscriber(t, db, group, func(c *sqlbroker.SubscriberConfig) { c.PollInterval = 50 * time.Millisecond })
-			ch, err := sub.Subscribe(context.Background(), topic)
-			require.NoError(t, err)
-			inWork := receiveAll(t, ch, n)
-			require.Equal(t, n, advisoryLocks(t, key1))
-
-			release := lockTopicTables(t, topic)
-			lockedAt := time.Now()
-			testdb.Eventually(t, 10*time.Second, "a claim waiting on the table lock", func() bool {
-				return len(waitingOnLock(t, app)) > 0
-			})
-			for _, m := range inWork {
-				m.Ack() // blocked behind the table lock too
-			}
-			// The fault itself is the time the lock is held; meanwhile the locks stay.
-			for time.Since(lockedAt) < hold {
-				require.Equal(t, n, advisoryLocks(t, key1), "advisory locks of the deliveries in work, %s into the table lock", time.Since(lockedAt).Round(time.Millisecond))
-				for _, m := range inWork {
-					require.NoError(t, m.Context().Err(), "a delivery's context ended under the table lock")
+	for _, mode := range []sqlbroker.ClaimMode{sqlbroker.ClaimAdvisoryLock, sqlbroker.ClaimLease} {
+		for _, d := range []string{"pgx", "libpq"} {
+			t.Run(mode.String()+"/"+d, func(t *testing.T) {
+				t.Parallel()
+				const n = 4
+				const hold = 7 * time.Second
+				db, app := appDB(t, d)
+				topic, group := advTopic("adv_c1"), "g"
+				key1 := lockKey1(topic, group)
+				publishN(t, db, topic, n)
+				sub := advSubscriber(t, db, group, func(c *sqlbroker.SubscriberConfig) {
+					c.PollInterval = 50 * time.Millisecond
+					c.ClaimMode = mode
+				})
+				ch, err := sub.Subscribe(context.Background(), topic)
+				require.NoError(t, err)
+				inWork := receiveAll(t, ch, n)
+				locks := n
+				if mode == sqlbroker.ClaimLease {
+					locks = 0
 				}
-				time.Sleep(100 * time.Millisecond)
-			}
-			release()
+				require.Equal(t, locks, advisoryLocks(t, key1))
 
-			testdb.Eventually(t, 15*time.Second, "the acks applied after the table lock", func() bool { return sub.Stats().Acked == n })
-			st := sub.Stats()
-			assert.EqualValues(t, 0, st.LeasesLost)
-			assert.EqualValues(t, 0, st.StaleSettlements)
-			assert.Equal(t, 0, claimRows(t, topic))
-			testdb.Eventually(t, 5*time.Second, "no lock left", func() bool { return advisoryLocks(t, key1) == 0 })
-			select {
-			case m := <-ch:
-				t.Fatalf("message %s delivered again (attempt %s)", m.UUID, m.Metadata.Get(sqlbroker.MetadataAttempt))
-			case <-time.After(500 * time.Millisecond):
-			}
-			_, err = sub.Shutdown(context.Background())
-			require.NoError(t, err)
-			requireNoLocksLeft(t, key1)
-		})
+				release := lockTopicTables(t, topic)
+				lockedAt := time.Now()
+				testdb.Eventually(t, 10*time.Second, "a claim waiting on the table lock", func() bool {
+					return len(waitingOnLock(t, app)) > 0
+				})
+				for _, m := range inWork {
+					m.Ack() // blocked behind the table lock too
+				}
+				// The fault itself is the time the lock is held; meanwhile the claims stay.
+				for time.Since(lockedAt) < hold {
+					require.Equal(t, locks, advisoryLocks(t, key1), "advisory locks of the deliveries in work, %s into the table lock", time.Since(lockedAt).Round(time.Millisecond))
+					for _, m := range inWork {
+						require.NoError(t, m.Context().Err(), "a delivery's context ended under the table lock")
+					}
+					time.Sleep(100 * time.Millisecond)
+				}
+				release()
+
+				testdb.Eventually(t, 15*time.Second, "the acks applied after the table lock", func() bool { return sub.Stats().Acked == n })
+				st := sub.Stats()
+				assert.EqualValues(t, 0, st.LeasesLost)
+				assert.EqualValues(t, 0, st.StaleSettlements)
+				assert.Equal(t, 0, claimRows(t, topic))
+				testdb.Eventually(t, 5*time.Second, "no lock left", func() bool { return advisoryLocks(t, key1) == 0 })
+				select {
+				case m := <-ch:
+					t.Fatalf("message %s delivered again (attempt %s)", m.UUID, m.Metadata.Get(sqlbroker.MetadataAttempt))
+				case <-time.After(500 * time.Millisecond):
+				}
+				_, err = sub.Shutdown(context.Background())
+				require.NoError(t, err)
+				requireNoLocksLeft(t, key1)
+			})
+		}
 	}
 }
 
