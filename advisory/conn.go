@@ -239,6 +239,20 @@ func (c *Conn) give() {
 }
 
 // current is the open connection and its generation; the turn is held.
+// turnOn opens the connection again if it was lost, takes a turn on it, and returns it with
+// its generation; on an error the turn is given back.
+func (c *Conn) turnOn() (dbx.Conn, uint64, error) {
+	if err := c.ensure(); err != nil {
+		return nil, 0, err
+	}
+	c.take()
+	conn, gen, err := c.current()
+	if err != nil {
+		c.give()
+	}
+	return conn, gen, err
+}
+
 func (c *Conn) current() (dbx.Conn, uint64, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -449,13 +463,8 @@ func (c *Conn) Claim(stop context.Context, claim func(ctx context.Context, q dbx
 // returned.
 func (c *Conn) locking(stop context.Context, args func(held map[int64]uint64) []int64,
 	fn func(ctx context.Context, q dbx.Querier, arg []int64) ([]int64, error)) (uint64, error) {
-	if err := c.ensure(); err != nil {
-		return 0, err
-	}
-	c.take()
-	conn, gen, err := c.current()
+	conn, gen, err := c.turnOn()
 	if err != nil {
-		c.give()
 		return 0, err
 	}
 	c.mu.Lock()
@@ -486,13 +495,8 @@ func (c *Conn) locking(stop context.Context, args func(held map[int64]uint64) []
 // whose locks are held already), on the lock connection, so that stop ending cancels them on
 // the server as it cancels a claim (see Options.Stop).
 func (c *Conn) Query(stop context.Context, fn func(ctx context.Context, q dbx.Querier) error) error {
-	if err := c.ensure(); err != nil {
-		return err
-	}
-	c.take()
-	conn, _, err := c.current()
+	conn, _, err := c.turnOn()
 	if err != nil {
-		c.give()
 		return err
 	}
 	_, err = c.statement(stop, conn, func(ctx context.Context) error { return fn(ctx, conn) })
@@ -643,11 +647,9 @@ func (c *Conn) Check() error {
 	if err := c.ensure(); err != nil {
 		return err
 	}
-	c.take()
-	conn, _, err := c.current()
+	conn, _, err := c.turnOn()
 	if err != nil {
-		c.give()
-		return nil
+		return nil // closed, or lost since the reconnect: nothing to ping
 	}
 	_, err = c.statement(nil, conn, func(ctx context.Context) error {
 		_, err := conn.Exec(ctx, pingSQL)
