@@ -275,16 +275,12 @@ const (
 func (t Tables) ResetGroup(ctx context.Context, b dbx.Beginner, group string, offset int64, at time.Time, byTime bool) (int64, error) {
 	var next int64
 	err := dbx.InTx(ctx, b, func(tx dbx.Tx) error {
-		var id int32
-		if err := dbx.QueryRow(ctx, tx, fmt.Sprintf(lockGroupSQL, t.Groups), []any{group}, &id); err != nil {
-			if errors.Is(err, dbx.ErrNoRows) {
-				return ErrNoGroup
-			}
+		id, err := t.lockGroup(ctx, tx, group)
+		if err != nil {
 			return err
 		}
 		var xid string
 		var pos int64
-		var err error
 		if byTime {
 			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(resetFindTimeSQL, t.Messages), []any{at}, &xid, &next)
 		} else {
@@ -323,19 +319,25 @@ func (t Tables) ResetGroup(ctx context.Context, b dbx.Beginner, group string, of
 	return next, err
 }
 
+// lockGroup locks the group's row for the transaction tx and returns its id, or ErrNoGroup.
+func (t Tables) lockGroup(ctx context.Context, tx dbx.Tx, group string) (int32, error) {
+	var id int32
+	err := dbx.QueryRow(ctx, tx, fmt.Sprintf(lockGroupSQL, t.Groups), []any{group}, &id)
+	if errors.Is(err, dbx.ErrNoRows) {
+		return 0, ErrNoGroup
+	}
+	return id, err
+}
+
 // DeleteGroup drops the group's row and its claims, so that it no longer holds retention
 // back. It returns the number of claims dropped.
 func (t Tables) DeleteGroup(ctx context.Context, b dbx.Beginner, group string) (int64, error) {
 	var n int64
 	err := dbx.InTx(ctx, b, func(tx dbx.Tx) error {
-		var id int32
-		if err := dbx.QueryRow(ctx, tx, fmt.Sprintf(lockGroupSQL, t.Groups), []any{group}, &id); err != nil {
-			if errors.Is(err, dbx.ErrNoRows) {
-				return ErrNoGroup
-			}
+		id, err := t.lockGroup(ctx, tx, group)
+		if err != nil {
 			return err
 		}
-		var err error
 		if n, err = tx.Exec(ctx, fmt.Sprintf(dropClaimsSQL, t.Claims), id); err != nil {
 			return err
 		}
