@@ -51,11 +51,16 @@ const (
 	DefaultNotifyDebounce     = 5 * time.Millisecond
 	DefaultMaxGroupRows       = 1000
 	DefaultGroupTimeout       = 30 * time.Second
+	DefaultNackBackoff        = time.Second
+	DefaultMaxNackBackoff     = time.Minute
 	maxTablePrefixLength      = 24
 	maxSchemaNameLength       = ident.MaxIdentifierLength
 	minLeaseTTL               = 100 * time.Millisecond
 	defaultLeaseRenewFraction = 3
 )
+
+// NoBackoff, as SubscriberConfig.NackBackoff, makes a nacked message claimable again at once.
+const NoBackoff time.Duration = -1
 
 // PublisherConfig configures a Publisher.
 type PublisherConfig struct {
@@ -220,9 +225,17 @@ type SubscriberConfig struct {
 	// another consumer took the message. Defaults to LeaseTTL/3.
 	LeaseRenewInterval time.Duration
 
-	// NackBackoff is how long a nacked message waits before it can be claimed again. Defaults
-	// to 0: at once.
+	// NackBackoff is how long a message nacked at its first attempt waits before it can be
+	// claimed again. Each further attempt doubles the wait, up to MaxNackBackoff, and a random
+	// part of up to a fifth more is added, so that the subscribers of a group that fail
+	// together do not come back together. A handler that fails on every message thus waits
+	// 1 s, 2 s, 4 s, ... between attempts instead of spinning. NoBackoff redelivers a nacked
+	// message at once. Defaults to DefaultNackBackoff.
 	NackBackoff time.Duration
+
+	// MaxNackBackoff caps the wait of a nacked message. It must not be shorter than
+	// NackBackoff. Defaults to DefaultMaxNackBackoff (or NackBackoff, if that is longer).
+	MaxNackBackoff time.Duration
 
 	// RetryInterval is how long a subscription waits after a database error before it tries
 	// again. Defaults to DefaultRetryInterval.
@@ -290,6 +303,12 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.RetryInterval == 0 {
 		c.RetryInterval = DefaultRetryInterval
 	}
+	if c.NackBackoff == 0 {
+		c.NackBackoff = DefaultNackBackoff
+	}
+	if c.MaxNackBackoff == 0 {
+		c.MaxNackBackoff = max(DefaultMaxNackBackoff, c.NackBackoff)
+	}
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = DefaultCloseTimeout
 	}
@@ -328,7 +347,7 @@ func (c *SubscriberConfig) validate() error {
 		v    time.Duration
 	}{
 		{"PollInterval", c.PollInterval}, {"LeaseTTL", c.LeaseTTL}, {"LeaseRenewInterval", c.LeaseRenewInterval},
-		{"NackBackoff", c.NackBackoff}, {"RetryInterval", c.RetryInterval}, {"CloseTimeout", c.CloseTimeout},
+		{"MaxNackBackoff", c.MaxNackBackoff}, {"RetryInterval", c.RetryInterval}, {"CloseTimeout", c.CloseTimeout},
 		{"Retention", c.Retention},
 		{"LockCheckInterval", c.LockCheckInterval}, {"LockWaitTimeout", c.LockWaitTimeout},
 	}
@@ -336,6 +355,12 @@ func (c *SubscriberConfig) validate() error {
 		if d.v < 0 {
 			return &ConfigError{Field: d.name, Value: d.v, Reason: "must not be negative"}
 		}
+	}
+	if c.NackBackoff < 0 && c.NackBackoff != NoBackoff {
+		return &ConfigError{Field: "NackBackoff", Value: c.NackBackoff, Reason: "must not be negative (NoBackoff redelivers at once)"}
+	}
+	if c.NackBackoff > c.MaxNackBackoff {
+		return &ConfigError{Field: "MaxNackBackoff", Value: c.MaxNackBackoff, Reason: "must not be shorter than NackBackoff (" + c.NackBackoff.String() + ")"}
 	}
 	if c.LeaseTTL < minLeaseTTL {
 		return &ConfigError{Field: "LeaseTTL", Value: c.LeaseTTL, Reason: "must be at least " + minLeaseTTL.String()}

@@ -1,6 +1,10 @@
 package sqlbroker
 
-import "github.com/sqlbroker/watermill-sqlbroker/offsets"
+import (
+	"time"
+
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+)
 
 // QueuedCalls is the number of grouped Publish calls of p waiting for topic's next statement.
 func QueuedCalls(p *Publisher, topic string) int {
@@ -28,4 +32,11 @@ func BrokerPublishers(b *Broker) int {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return len(b.publishers)
+}
+
+// NackBackoffFor is the wait of a message nacked at its attempt-th delivery under c (with its
+// defaults set).
+func NackBackoffFor(c SubscriberConfig, attempt int) time.Duration {
+	c.setDefaults()
+	return c.nackBackoff(attempt)
 }

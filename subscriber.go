@@ -332,11 +332,12 @@ type subscription struct {
 
 // delivery is one claimed message.
 type delivery struct {
-	offset int64
-	token  int64
-	msg    *message.Message
-	cancel context.CancelCauseFunc
-	gen    uint64 // advisory mode: generation of the lock connection that took its lock
+	offset   int64
+	token    int64
+	attempts int // the claim's attempt count when it was delivered
+	msg      *message.Message
+	cancel   context.CancelCauseFunc
+	gen      uint64 // advisory mode: generation of the lock connection that took its lock
 
 	mu       sync.Mutex
 	deadline time.Time // local lease deadline
@@ -844,7 +845,7 @@ func (sub *subscription) newDelivery(c offsets.Claimed, token int64, deadline ti
 	msg.Metadata.Set(MetadataOffset, strconv.FormatInt(c.Offset, 10))
 	ctx, cancel := context.WithCancelCause(sub.msgCtx)
 	msg.SetContext(ctx)
-	return &delivery{offset: c.Offset, token: token, msg: msg, cancel: cancel, deadline: deadline}
+	return &delivery{offset: c.Offset, token: token, attempts: c.Attempts, msg: msg, cancel: cancel, deadline: deadline}
 }
 
 // giveBack releases claims that never reached a handler.
@@ -923,6 +924,15 @@ func (sub *subscription) await(d *delivery) {
 type settlement struct {
 	d  *delivery
 	op string
+}
+
+// attemptsOf returns the attempt of each settlement's delivery.
+func attemptsOf(sts []settlement) []int {
+	as := make([]int, len(sts))
+	for i, st := range sts {
+		as[i] = st.d.attempts
+	}
+	return as
 }
 
 // maxSettleBatch bounds the settlements applied in one statement.
@@ -1021,27 +1031,57 @@ func (sub *subscription) giveUp(sts []settlement) {
 
 // settleStatement applies acks or nacks (op) of the fenced claims in one statement, through
 // the tracker (cancelled on the server after CleanupTimeout, or when Shutdown stops it), and
-// returns the offsets it settled. Nacked claims come due again after
-// NackBackoff: the claim loop is told when (markDue).
-func (sub *subscription) settleStatement(op string, fs []offsets.Fenced) (map[int64]bool, error) {
+// returns the offsets it settled. attempts holds the attempt of each delivery of fs, for the
+// backoff of a nack.
+func (sub *subscription) settleStatement(op string, fs []offsets.Fenced, attempts []int) (map[int64]bool, error) {
 	var done map[int64]bool
 	kind := stmtAck
 	if op != "ack" {
 		kind = stmtNack
 	}
+	if op != "ack" {
+		return sub.nackStatements(fs, attempts)
+	}
 	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), kind, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
 		var err error
-		if op == "ack" {
-			done, err = sub.store.Ack(ctx, q, sub.groupID, fs)
-		} else {
-			done, err = sub.store.Nack(ctx, q, sub.groupID, fs, sub.cfg.NackBackoff)
-		}
+		done, err = sub.store.Ack(ctx, q, sub.groupID, fs)
 		return err
 	})
-	if op != "ack" && err == nil && len(done) > 0 {
-		sub.markDue(time.Now().Add(sub.cfg.NackBackoff))
-	}
 	return done, err
+}
+
+// nackStatements applies nacks of the fenced claims fs, whose deliveries were the attempts-th
+// ones, one statement per backoff (see SubscriberConfig.nackBackoff), and tells the claim loop
+// when each comes due again (markDue).
+func (sub *subscription) nackStatements(fs []offsets.Fenced, attempts []int) (map[int64]bool, error) {
+	byAttempt := map[int][]offsets.Fenced{}
+	var order []int
+	for i, f := range fs {
+		if _, ok := byAttempt[attempts[i]]; !ok {
+			order = append(order, attempts[i])
+		}
+		byAttempt[attempts[i]] = append(byAttempt[attempts[i]], f)
+	}
+	done := make(map[int64]bool, len(fs))
+	for _, a := range order {
+		backoff := sub.cfg.nackBackoff(a)
+		var these map[int64]bool
+		err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtNack, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
+			var err error
+			these, err = sub.store.Nack(ctx, q, sub.groupID, byAttempt[a], backoff)
+			return err
+		})
+		if err != nil {
+			return done, err
+		}
+		for o := range these {
+			done[o] = true
+		}
+		if len(these) > 0 {
+			sub.markDue(time.Now().Add(backoff))
+		}
+	}
+	return done, nil
 }
 
 // apply runs the settlements of kind op among sts in one statement and returns those that
@@ -1061,7 +1101,7 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 	if len(fs) == 0 {
 		return nil
 	}
-	done, err := sub.settleStatement(op, fs)
+	done, err := sub.settleStatement(op, fs, attemptsOf(these))
 	if err != nil {
 		if sub.stopping() {
 			return these // settleLoop gives them up

@@ -421,7 +421,7 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 	if len(fs) == 0 {
 		return nil
 	}
-	done, err := sub.settleStatement(op, fs)
+	done, err := sub.settleStatement(op, fs, attemptsOf(these))
 	if err != nil {
 		sub.s.stats.errors.Add(1)
 		sub.logger.Error("Settlement failed, retrying while the lock holds", err, watermill.LogFields{"op": op, "count": len(these)})
