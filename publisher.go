@@ -522,6 +522,11 @@ func (p *Publisher) rows(topic string, messages []*message.Message) ([]offsets.R
 			return nil, fail(err.Error())
 		}
 		rows[i] = offsets.Row{UUID: msg.UUID, Payload: msg.Payload, Metadata: meta}
+		if until, later, err := delayedUntil(msg.Metadata, time.Now()); err != nil {
+			return nil, fail(err.Error())
+		} else if later {
+			rows[i].DeliverAt = until
+		}
 	}
 	return rows, nil
 }

@@ -529,7 +529,7 @@ func (sub *subscription) claimLoop() {
 			continue
 		}
 		if len(claimed) == 0 {
-			goOn, woken := sub.wait(idle, true)
+			goOn, woken := sub.wait(sub.untilDue(idle), true)
 			if !goOn {
 				return
 			}
@@ -659,6 +659,7 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offset
 		claimed, err = sub.store.Claim(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, due, buf)
 		return err
 	})
+	claimed = sub.passDelayed(claimed, err)
 	if err != nil && len(claimed) > 0 {
 		if dbx.SQLState(err) != dbx.CodeQueryCanceled {
 			sub.dropUnsure(claimed, token, pid)
@@ -926,13 +927,27 @@ type settlement struct {
 	op string
 }
 
-// attemptsOf returns the attempt of each settlement's delivery.
-func attemptsOf(sts []settlement) []int {
-	as := make([]int, len(sts))
+// nackWaits returns how long the message of each settlement waits after its nack: until the
+// time its handler delayed it to (middleware.DelayOnError sets it in the metadata), or else the
+// backoff of its attempt (SubscriberConfig.nackBackoff), drawn once per attempt and call, so
+// that the nacks of one attempt share a statement.
+func (sub *subscription) nackWaits(sts []settlement) []time.Duration {
+	waits := make([]time.Duration, len(sts))
+	byAttempt := map[int]time.Duration{}
+	now := time.Now()
 	for i, st := range sts {
-		as[i] = st.d.attempts
+		if until, later, err := delayedUntil(st.d.msg.Metadata, now); err == nil && later {
+			waits[i] = until.Sub(now).Round(time.Millisecond)
+			continue
+		}
+		w, ok := byAttempt[st.d.attempts]
+		if !ok {
+			w = sub.cfg.nackBackoff(st.d.attempts)
+			byAttempt[st.d.attempts] = w
+		}
+		waits[i] = w
 	}
-	return as
+	return waits
 }
 
 // maxSettleBatch bounds the settlements applied in one statement.
@@ -1031,16 +1046,16 @@ func (sub *subscription) giveUp(sts []settlement) {
 
 // settleStatement applies acks or nacks (op) of the fenced claims in one statement, through
 // the tracker (cancelled on the server after CleanupTimeout, or when Shutdown stops it), and
-// returns the offsets it settled. attempts holds the attempt of each delivery of fs, for the
-// backoff of a nack.
-func (sub *subscription) settleStatement(op string, fs []offsets.Fenced, attempts []int) (map[int64]bool, error) {
+// returns the offsets it settled. waits holds, for nacks, how long each claim of fs waits
+// before it comes due again (nackWaits).
+func (sub *subscription) settleStatement(op string, fs []offsets.Fenced, waits []time.Duration) (map[int64]bool, error) {
 	var done map[int64]bool
 	kind := stmtAck
 	if op != "ack" {
 		kind = stmtNack
 	}
 	if op != "ack" {
-		return sub.nackStatements(fs, attempts)
+		return sub.nackStatements(fs, waits)
 	}
 	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), kind, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
 		var err error
@@ -1050,25 +1065,24 @@ func (sub *subscription) settleStatement(op string, fs []offsets.Fenced, attempt
 	return done, err
 }
 
-// nackStatements applies nacks of the fenced claims fs, whose deliveries were the attempts-th
-// ones, one statement per backoff (see SubscriberConfig.nackBackoff), and tells the claim loop
-// when each comes due again (markDue).
-func (sub *subscription) nackStatements(fs []offsets.Fenced, attempts []int) (map[int64]bool, error) {
-	byAttempt := map[int][]offsets.Fenced{}
-	var order []int
+// nackStatements applies nacks of the fenced claims fs, each to come due after its wait in
+// waits (see nackWaits), one statement per distinct wait, and tells the claim loop when each
+// comes due again (markDue).
+func (sub *subscription) nackStatements(fs []offsets.Fenced, waits []time.Duration) (map[int64]bool, error) {
+	byWait := map[time.Duration][]offsets.Fenced{}
+	var order []time.Duration
 	for i, f := range fs {
-		if _, ok := byAttempt[attempts[i]]; !ok {
-			order = append(order, attempts[i])
+		if _, ok := byWait[waits[i]]; !ok {
+			order = append(order, waits[i])
 		}
-		byAttempt[attempts[i]] = append(byAttempt[attempts[i]], f)
+		byWait[waits[i]] = append(byWait[waits[i]], f)
 	}
 	done := make(map[int64]bool, len(fs))
-	for _, a := range order {
-		backoff := sub.cfg.nackBackoff(a)
+	for _, w := range order {
 		var these map[int64]bool
 		err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtNack, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
 			var err error
-			these, err = sub.store.Nack(ctx, q, sub.groupID, byAttempt[a], backoff)
+			these, err = sub.store.Nack(ctx, q, sub.groupID, byWait[w], w)
 			return err
 		})
 		if err != nil {
@@ -1078,7 +1092,7 @@ func (sub *subscription) nackStatements(fs []offsets.Fenced, attempts []int) (ma
 			done[o] = true
 		}
 		if len(these) > 0 {
-			sub.markDue(time.Now().Add(backoff))
+			sub.markDue(time.Now().Add(w))
 		}
 	}
 	return done, nil
@@ -1101,7 +1115,7 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 	if len(fs) == 0 {
 		return nil
 	}
-	done, err := sub.settleStatement(op, fs, attemptsOf(these))
+	done, err := sub.settleStatement(op, fs, sub.nackWaits(these))
 	if err != nil {
 		if sub.stopping() {
 			return these // settleLoop gives them up

@@ -270,6 +270,7 @@ func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64, due 
 		if err != nil {
 			return nil, err
 		}
+		out = append(out[:start], sub.passDelayed(out[start:], nil)...)
 		locked := make([]int64, 0, len(out)-start)
 		for _, c := range out[start:] {
 			locked = append(locked, c.Offset)
@@ -421,7 +422,7 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 	if len(fs) == 0 {
 		return nil
 	}
-	done, err := sub.settleStatement(op, fs, attemptsOf(these))
+	done, err := sub.settleStatement(op, fs, sub.nackWaits(these))
 	if err != nil {
 		sub.s.stats.errors.Add(1)
 		sub.logger.Error("Settlement failed, retrying while the lock holds", err, watermill.LogFields{"op": op, "count": len(these)})

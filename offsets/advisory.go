@@ -32,8 +32,9 @@ import (
 //   - m reads the position through scalar subqueries, so that it bounds the index scan of
 //     (xid, offset), as in the lease mode's claim (store.go).
 //   - ins, upd: every new message gets a claim row, held ('infinity', the token, attempt 1)
-//     when its lock was taken, otherwise due at once (attempt 0) for a later round; the
-//     position advances past all of them.
+//     when its lock was taken, otherwise due (attempt 0) for a later round: at once, or, for
+//     a delayed message, whose lock is not tried, at its time (see delayedSQL); the position
+//     advances past all of them.
 //
 // with and cond are the asynchronous-commit prefix and condition of NewStore; due and r are
 // dueSQL and lockedAgainSQL, or noDueSQL and noneAgainSQL for a claim of new messages only.
@@ -46,7 +47,7 @@ func claimLockedSQL(t Tables, with, cond, due, r string) string {
 	  AND (`+nextWaitingSQL+`) IS NOT NULL
 	FOR UPDATE
 ), m AS MATERIALIZED (
-	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata"
+	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", `+delayedSQL+` AS "later"
 	FROM %[2]s m
 	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
 	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
@@ -56,7 +57,7 @@ func claimLockedSQL(t Tables, with, cond, due, r string) string {
 	SELECT c.o FROM (
 		SELECT "offset" AS o FROM due
 		UNION ALL
-		SELECT "offset" FROM m
+		SELECT "offset" FROM m WHERE m."later" IS NULL
 	) c
 	WHERE c.o <> ALL ((SELECT $5::bigint[])::bigint[])
 ), lk AS MATERIALIZED (
@@ -66,7 +67,7 @@ func claimLockedSQL(t Tables, with, cond, due, r string) string {
 	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
 	SELECT $1, m."offset",
 		CASE WHEN m."offset" = ANY (lk.os) THEN $2::bigint ELSE 0 END,
-		CASE WHEN m."offset" = ANY (lk.os) THEN 'infinity' ELSE now() END,
+		CASE WHEN m."offset" = ANY (lk.os) THEN 'infinity' ELSE coalesce(m."later", now()) END,
 		CASE WHEN m."offset" = ANY (lk.os) THEN 1 ELSE 0 END
 	FROM m, lk
 )`+claimTailSQL(`m, lk WHERE m."offset" = ANY (lk.os)`), t.Groups, t.Messages, t.Claims, with, cond)
@@ -102,7 +103,7 @@ const adoptSQL = `WITH r AS (
 	WHERE c."group_id" = $1 AND c."offset" = ANY ($3::bigint[]) AND c."visible_at" = 'infinity'
 	RETURNING c."offset", c."attempts"
 )
-SELECT m."offset", m."uuid", m."payload", m."metadata"::text, r."attempts", 0
+SELECT m."offset", m."uuid", m."payload", m."metadata"::text, r."attempts", 0, 0::float8
 FROM r JOIN %[2]s m ON m."offset" = r."offset"
 ORDER BY m."offset"`
 

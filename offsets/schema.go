@@ -30,6 +30,9 @@ type VersionError struct {
 }
 
 func (e *VersionError) Error() string {
+	if e.Found == fmt.Sprintf("%s%d", schemaCommentPrefix, upgradableVersion) {
+		return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: set InitializeSchema: true, or run the SQL of sqlbroker.SchemaSQL(%q, ...) in a migration (it upgrades v%d tables in place)", e.Topic, e.Table, e.Found, e.Want, e.Topic, upgradableVersion)
+	}
 	return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: migrate the tables or use the matching library version", e.Topic, e.Table, e.Found, e.Want)
 }
 
@@ -48,7 +51,7 @@ func (t Tables) lockKey2() int32 {
 func (t Tables) Create(ctx context.Context, b dbx.Beginner) error {
 	if q, ok := b.(dbx.Querier); ok {
 		err := t.Check(ctx, q)
-		if err == nil || !IsMissing(err) {
+		if err == nil || !IsMissing(err) && !isUpgradable(err) {
 			return err
 		}
 	}
@@ -60,7 +63,7 @@ func (t Tables) CreateIn(ctx context.Context, tx dbx.Querier) error {
 	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1::int4, $2::int4)", SchemaLockKey1, t.lockKey2()); err != nil {
 		return err
 	}
-	if err := t.check(ctx, tx, true); err != nil {
+	if err := t.check(ctx, tx, true); err != nil && !isUpgradable(err) {
 		return err
 	}
 	_, err := tx.Exec(ctx, t.SchemaSQL())
@@ -105,6 +108,12 @@ func (t Tables) check(ctx context.Context, q dbx.Querier, missingOK bool) error 
 		}
 	}
 	return nil
+}
+
+// isUpgradable reports whether err is a VersionError for tables that SchemaSQL upgrades.
+func isUpgradable(err error) bool {
+	var v *VersionError
+	return errors.As(err, &v) && v.Found == fmt.Sprintf("%s%d", schemaCommentPrefix, upgradableVersion)
 }
 
 // IsMissing reports whether err is a MissingTableError.

@@ -20,19 +20,20 @@ const SchemaLockKey1 int32 = 0x53427363 // "SBsc"
 type Store struct {
 	T Tables
 
-	claimSQL          string // due claims first, then new messages
-	claimNewSQL       string // new messages only
-	claimLockedSQL    string
-	claimLockedNewSQL string
-	ackSQL            string
-	nackSQL           string
-	releaseSQL        string
-	extendSQL         string
-	insertPrefix      string
-	ensureGrpSQL      string
-	lookupGrpSQL      string
-	horizonSQL        string
-	pruneSQL          string
+	claimSQL            string // due claims first, then new messages
+	claimNewSQL         string // new messages only
+	claimLockedSQL      string
+	claimLockedNewSQL   string
+	ackSQL              string
+	nackSQL             string
+	releaseSQL          string
+	extendSQL           string
+	insertPrefix        string
+	insertDelayedPrefix string
+	ensureGrpSQL        string
+	lookupGrpSQL        string
+	horizonSQL          string
+	pruneSQL            string
 }
 
 // NewStore prepares the SQL text for t. With asyncCommit, claims, extensions and
@@ -76,7 +77,7 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	  AND (`+nextWaitingSQL+`) IS NOT NULL
 	FOR UPDATE
 ), m AS (
-	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata"
+	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", `+delayedSQL+` AS "later"
 	FROM %[2]s m
 	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
 	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
@@ -84,8 +85,12 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	LIMIT $4 - (SELECT count(*) FROM due)
 ), ins AS (
 	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
-	SELECT $1, m."offset", $2, (SELECT clock_timestamp() + $3::float8 * interval '1 millisecond'), 1 FROM m
-)`+claimTailSQL("m"), t.Groups, t.Messages, t.Claims, with, cond)
+	SELECT $1, m."offset",
+		CASE WHEN m."later" IS NULL THEN $2::bigint ELSE 0 END,
+		coalesce(m."later", (SELECT clock_timestamp() + $3::float8 * interval '1 millisecond')),
+		CASE WHEN m."later" IS NULL THEN 1 ELSE 0 END
+	FROM m
+)`+claimTailSQL(`m WHERE m."later" IS NULL`), t.Groups, t.Messages, t.Claims, with, cond)
 	}
 	s.claimSQL = claim(dueSQL, leasedAgainSQL)
 	s.claimNewSQL = claim(noDueSQL, noneAgainSQL)
@@ -141,6 +146,7 @@ SELECT k.o, EXISTS (SELECT 1 FROM d WHERE d."offset" = k.o) FROM k`, t.Claims)
 	s.extendSQL = settle(`UPDATE %[1]s c SET "visible_at" = clock_timestamp() + $4::float8 * interval '1 millisecond'`)
 
 	s.insertPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata") VALUES `, t.Messages)
+	s.insertDelayedPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata", "deliver_at") VALUES `, t.Messages)
 
 	s.ensureGrpSQL = fmt.Sprintf(`INSERT INTO %s ("consumer_group", "last_xid", "last_offset")
 VALUES ($1, CASE WHEN $2::boolean THEN pg_snapshot_xmin(pg_current_snapshot()) ELSE '0'::xid8 END, 0)
@@ -216,21 +222,32 @@ const nextWaitingSQL = `SELECT nx."offset" FROM %[2]s nx
 
 // claimTailSQL ends both claim statements: it advances the group's position past the new
 // messages of m, and returns the due claims taken again (r) first, then the new messages read
-// from newFrom, in (xid, offset) order. %[1]s and %[2]s are the groups and messages tables.
+// from newFrom, in (xid, offset) order, then one row (kind 2, with the time in epoch
+// milliseconds) for each message of m that is delayed (see delayedSQL). %[1]s and %[2]s are
+// the groups and messages tables.
 func claimTailSQL(newFrom string) string {
 	return `, upd AS (
 	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
 	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
 	WHERE "group_id" = $1
 )
-SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts", x.k FROM (
-	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o
+SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts", x.k, x.at FROM (
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o, 0::float8 AS at
 	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
 	UNION ALL
-	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset")
+	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset"), 0::float8
 	FROM ` + newFrom + `
+	UNION ALL
+	SELECT m."offset", '', ''::bytea, '{}'::jsonb, 0, 2, m."offset", extract(epoch FROM m."later")::float8 * 1000
+	FROM m WHERE m."later" IS NOT NULL
 ) x ORDER BY x.k, x.o`
 }
+
+// delayedSQL is, for a message m of the claim statements, the time it is delayed until, or
+// NULL when it may be handed out now. Such a message gets a claim row due at that time with
+// no holder (token 0, attempt 0), which the claims due again take once it has come; the
+// group's position passes it, so the messages behind it are claimed at once.
+const delayedSQL = `CASE WHEN m."deliver_at" > now() THEN m."deliver_at" END`
 
 // Claimed is one message claimed for a group.
 type Claimed struct {
@@ -240,6 +257,28 @@ type Claimed struct {
 	Metadata string // JSON object
 	Attempts int
 	Again    bool // claimed again (the due step, or taken over), not new
+
+	// Delayed, when not zero, says that this is no claim but a message the statement passed
+	// because it is delayed until then: its claim row comes due at that time, for the group's
+	// claims due again to take. Nothing but Offset is set.
+	Delayed time.Time
+}
+
+// Split moves the delayed entries (Claimed.Delayed) of cs out of it, keeping the order of the
+// others, and returns the earliest of their times (zero if none).
+func Split(cs []Claimed) ([]Claimed, time.Time) {
+	var first time.Time
+	kept := cs[:0]
+	for _, c := range cs {
+		if c.Delayed.IsZero() {
+			kept = append(kept, c)
+			continue
+		}
+		if first.IsZero() || c.Delayed.Before(first) {
+			first = c.Delayed
+		}
+	}
+	return kept, first
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
@@ -273,10 +312,14 @@ func scanClaimed(rows dbx.Rows, out []Claimed) ([]Claimed, error) {
 	for rows.Next() {
 		var c Claimed
 		var attempts, kind int64
-		if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata, &attempts, &kind); err != nil {
+		var at float64
+		if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata, &attempts, &kind, &at); err != nil {
 			return out, err
 		}
 		c.Attempts, c.Again = int(attempts), kind == 0
+		if kind == 2 {
+			c.Delayed = time.UnixMicro(int64(at * 1000))
+		}
 		out = append(out, c)
 	}
 	return out, rows.Err()
@@ -437,6 +480,9 @@ type Row struct {
 	UUID     string
 	Payload  []byte
 	Metadata string // JSON object
+
+	// DeliverAt, when not zero, delays the message: no group is handed it before then.
+	DeliverAt time.Time
 }
 
 // maxRowsPerInsert keeps one INSERT under PostgreSQL's 65535 bind parameters.
@@ -445,25 +491,41 @@ const maxRowsPerInsert = 10000
 // InsertSQL builds the multi-row INSERT for n rows. With notify, the same statement also sends
 // NOTIFY on channel with the messages table's name as payload (delivered when the
 // transaction commits).
-func (s *Store) InsertSQL(n int, channel string) string {
+func (s *Store) InsertSQL(n int, channel string) string { return s.insertSQL(n, channel, false) }
+
+// insertSQL is InsertSQL; with delayed, every row has a fourth parameter, its deliver_at
+// (NULL for a message that is not delayed).
+func (s *Store) insertSQL(n int, channel string, delayed bool) string {
 	var b strings.Builder
-	b.Grow(len(s.insertPrefix) + n*24 + 160)
+	b.Grow(len(s.insertPrefix) + n*32 + 160)
 	if channel != "" {
 		b.WriteString("WITH ins AS (")
 	}
-	b.WriteString(s.insertPrefix)
+	per := 3
+	if delayed {
+		per = 4
+		b.WriteString(s.insertDelayedPrefix)
+	} else {
+		b.WriteString(s.insertPrefix)
+	}
 	for i := range n {
 		if i > 0 {
 			b.WriteByte(',')
 		}
-		p := i * 3
+		p := i * per
 		b.WriteString("($")
 		b.WriteString(strconv.Itoa(p + 1))
 		b.WriteString(",$")
 		b.WriteString(strconv.Itoa(p + 2))
 		b.WriteString(",$")
 		b.WriteString(strconv.Itoa(p + 3))
-		b.WriteString("::jsonb)")
+		b.WriteString("::jsonb")
+		if delayed {
+			b.WriteString(",$")
+			b.WriteString(strconv.Itoa(p + 4))
+			b.WriteString("::timestamptz")
+		}
+		b.WriteString(")")
 	}
 	if channel != "" {
 		fmt.Fprintf(&b, ` RETURNING 1) SELECT pg_notify(%s, %s) FROM (SELECT 1 FROM ins LIMIT 1) x`,
@@ -482,19 +544,23 @@ func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''
 func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row, channel string) error {
 	for len(rows) > 0 {
 		n := min(len(rows), maxRowsPerInsert)
-		args := make([]any, 0, n*3)
+		delayed := anyDelayed(rows[:n])
+		args := make([]any, 0, n*4)
 		for _, r := range rows[:n] {
 			payload := r.Payload
 			if payload == nil {
 				payload = []byte{}
 			}
 			args = append(args, r.UUID, payload, r.Metadata)
+			if delayed {
+				args = append(args, deliverAt(r))
+			}
 		}
 		ch := ""
 		if n == len(rows) {
 			ch = channel
 		}
-		if _, err := q.Exec(ctx, s.InsertSQL(n, ch), args...); err != nil {
+		if _, err := q.Exec(ctx, s.insertSQL(n, ch, delayed), args...); err != nil {
 			return err
 		}
 		rows = rows[n:]
@@ -511,24 +577,54 @@ func MaxRowsPerStatement() int { return maxRowsPerInsert }
 // the NOTIFY in the same statement.
 const CopyMinRows = 500
 
-var copyColumns = []string{"uuid", "payload", "metadata"}
+var (
+	copyColumns        = []string{"uuid", "payload", "metadata"}
+	copyDelayedColumns = []string{"uuid", "payload", "metadata", "deliver_at"}
+)
+
+// anyDelayed reports whether a row of rows is delayed: only then do the statements that write
+// them carry the deliver_at column.
+func anyDelayed(rows []Row) bool {
+	for _, r := range rows {
+		if !r.DeliverAt.IsZero() {
+			return true
+		}
+	}
+	return false
+}
+
+// deliverAt is the deliver_at value of r: nil (NULL) when it is not delayed.
+func deliverAt(r Row) any {
+	if r.DeliverAt.IsZero() {
+		return nil
+	}
+	return r.DeliverAt
+}
 
 // Copy writes rows with COPY FROM STDIN, in one statement (all or none) however many there
 // are. COPY cannot carry a NOTIFY: callers send one with Notify.
 func (s *Store) Copy(ctx context.Context, c dbx.Copier, rows []Row) error {
 	src := make([][]any, len(rows))
+	delayed := anyDelayed(rows)
 	for i, r := range rows {
 		payload := r.Payload
 		if payload == nil {
 			payload = []byte{}
 		}
 		src[i] = []any{r.UUID, payload, r.Metadata}
+		if delayed {
+			src[i] = append(src[i], deliverAt(r))
+		}
+	}
+	columns := copyColumns
+	if delayed {
+		columns = copyDelayedColumns
 	}
 	table := []string{s.T.MessagesName}
 	if s.T.Schema != "" {
 		table = []string{s.T.Schema, s.T.MessagesName}
 	}
-	n, err := c.CopyFrom(ctx, table, copyColumns, src)
+	n, err := c.CopyFrom(ctx, table, columns, src)
 	if err == nil && n != int64(len(rows)) {
 		err = fmt.Errorf("offsets: COPY wrote %d rows of %d", n, len(rows))
 	}

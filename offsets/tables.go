@@ -13,6 +13,11 @@
 //     that waits for redelivery: (group_id, offset) key, fencing token, visible_at (the lease
 //     deadline or the nack backoff), attempts. Ack deletes the row, so the table stays as small
 //     as the work in flight and its updates stay HOT (no indexed column changes).
+//
+// A message published with a delay carries its time in the messages table's deliver_at. A
+// group's claim of new messages passes it like any other, but writes its claim row due at that
+// time with no holder (token 0, attempt 0), and hands it out no earlier than that: the claims
+// due again take it then, and the messages behind it are not held back.
 package offsets
 
 import (
@@ -23,7 +28,15 @@ import (
 )
 
 // SchemaVersion is written into the messages table's comment and checked on start.
-const SchemaVersion = 1
+//
+// Version 2 added the messages table's deliver_at column (delayed messages). SchemaSQL
+// upgrades tables of version 1 in place (see upgradableVersion).
+const SchemaVersion = 2
+
+// upgradableVersion is the older schema version whose tables SchemaSQL upgrades: adding a
+// nullable column without a default changes only the catalog, under a lock held for an
+// instant, and leaves every row as it is (NULL: not delayed).
+const upgradableVersion = 1
 
 // schemaComment is the comment the messages table carries; the version is the last field.
 const schemaCommentPrefix = "sqlbroker schema v"
@@ -83,9 +96,12 @@ func (t Tables) SchemaSQL() string {
 	"payload"    bytea       NOT NULL,
 	"metadata"   jsonb       NOT NULL DEFAULT '{}',
 	"created_at" timestamptz NOT NULL DEFAULT now(),
+	"deliver_at" timestamptz,
 	CONSTRAINT %s PRIMARY KEY ("offset")
 );
 `, t.Messages, t.seq("_m_seq"), t.obj("_m_pkey"))
+	// Tables of schema version 1 lack deliver_at; on tables just created this does nothing.
+	fmt.Fprintf(&b, "ALTER TABLE %s ADD COLUMN IF NOT EXISTS \"deliver_at\" timestamptz;\n", t.Messages)
 	fmt.Fprintf(&b, "CREATE INDEX IF NOT EXISTS %s ON %s (\"xid\", \"offset\");\n", t.obj("_m_xid"), t.Messages)
 	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS '%s%d';\n", t.Messages, schemaCommentPrefix, SchemaVersion)
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (

@@ -1,0 +1,62 @@
+package sqlbroker
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/components/delay"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+)
+
+// Delayed messages. Watermill's components/delay (delay.NewPublisher, delay.Message,
+// middleware.DelayOnError) marks a message with the time it is delayed until, in the metadata
+// key delay.DelayedUntilKey (RFC 3339, whole seconds), and with the delay itself in
+// delay.DelayedForKey. The Publisher writes that time into the message's row, and no consumer
+// group is handed the message before it; a Nack of a message whose handler delayed it (as
+// DelayOnError does) makes it wait until then instead of the nack backoff.
+
+// delayedUntil returns the time md delays its message until, read at now, and whether that
+// time is still to come. The RFC 3339 time of the metadata is cut to the second; when the
+// delay (delay.DelayedForKey) counted from now falls within that second, the message was
+// delayed just before now, and now plus the delay is the finer time: a message delayed by 3 s
+// is then not delivered before 3 s have passed. An unreadable time is an error.
+func delayedUntil(md message.Metadata, now time.Time) (time.Time, bool, error) {
+	v := md.Get(delay.DelayedUntilKey)
+	if v == "" {
+		return time.Time{}, false, nil
+	}
+	until, err := time.Parse(time.RFC3339Nano, v)
+	if err != nil {
+		return time.Time{}, false, fmt.Errorf("metadata %s %q is not an RFC 3339 time", delay.DelayedUntilKey, v)
+	}
+	if d, err := time.ParseDuration(md.Get(delay.DelayedForKey)); err == nil && d > 0 {
+		if fine := now.Add(d); !fine.Before(until) && fine.Before(until.Add(time.Second)) {
+			until = fine
+		}
+	}
+	return until, until.After(now), nil
+}
+
+// passDelayed drops from cs, the result of a claim statement, the delayed messages it passed
+// (offsets.Claimed.Delayed): their claim rows come due at their time, which the claim loop
+// is told (markDue) when the statement succeeded (err nil), so that its claim then takes them.
+func (sub *subscription) passDelayed(cs []offsets.Claimed, err error) []offsets.Claimed {
+	cs, first := offsets.Split(cs)
+	if err == nil && !first.IsZero() {
+		sub.markDue(first)
+	}
+	return cs
+}
+
+// untilDue is how long the claim loop waits when a claim found nothing: idle, or less when a
+// claim of this subscription comes due before (a nack's backoff ends, a delayed message's time
+// comes).
+func (sub *subscription) untilDue(idle time.Duration) time.Duration {
+	at := sub.dueAt.Load()
+	if at == 0 {
+		return idle
+	}
+	return max(0, min(idle, time.Until(time.Unix(0, at))))
+}

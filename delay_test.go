@@ -1,0 +1,264 @@
+package sqlbroker_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sort"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/delay"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+)
+
+var claimModes = []sqlbroker.ClaimMode{sqlbroker.ClaimLease, sqlbroker.ClaimAdvisoryLock}
+
+// delayPoll is the PollInterval of the delay tests: the tolerance of a delayed message's time.
+const delayPoll = 50 * time.Millisecond
+
+// lateness bounds, generously for a shared machine, how late a delayed message may come in
+// these tests: they check that it is held back until its time and then delivered, not how
+// fast (the figures are logged).
+const lateness = 5 * time.Second
+
+// A message delayed by 3 s is not delivered before 3 s; one published right after it without
+// delay is delivered before it, without waiting for it: in both claim modes, on both drivers,
+// and for two consumer groups each.
+func TestDelay_heldUntilItsTimeWithoutHoldingBackOthers(t *testing.T) {
+	t.Parallel()
+	for _, d := range []struct {
+		name string
+		db   func(*testing.T) sqlbroker.DB
+	}{{"pgx", pgxDB}, {"libpq", stdDB}} {
+		for _, mode := range claimModes {
+			t.Run(d.name+"/"+mode.String(), func(t *testing.T) {
+				t.Parallel()
+				topic := testdb.Topic(t, "")
+				db := d.db(t)
+				pub := newPublisher(t, db)
+				var chans []<-chan *message.Message
+				for _, g := range []string{"a", "b"} {
+					sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: g, ClaimMode: mode, InitializeSchema: true, PollInterval: delayPoll}, nil)
+					require.NoError(t, err)
+					t.Cleanup(func() { _ = sub.Close() })
+					ch, err := sub.Subscribe(context.Background(), topic)
+					require.NoError(t, err)
+					chans = append(chans, ch)
+				}
+				late := message.NewMessage(watermill.NewUUID(), []byte("late"))
+				delay.Message(late, delay.For(3*time.Second))
+				published := time.Now()
+				require.NoError(t, pub.Publish(topic, late))
+				publish(t, pub, topic, "now")
+				for _, ch := range chans {
+					first := receive(t, ch, 10*time.Second)
+					assert.Equal(t, "now", string(first.Payload), "the undelayed message waited for the delayed one")
+					assert.Less(t, time.Since(published), 3*time.Second, "the undelayed message was held back")
+					first.Ack()
+				}
+				for _, ch := range chans {
+					m := receive(t, ch, 3*time.Second+lateness)
+					took := time.Since(published)
+					require.Equal(t, "late", string(m.Payload))
+					assert.GreaterOrEqual(t, took, 3*time.Second, "delivered before its time")
+					t.Logf("delayed 3s, delivered after %v", took)
+					assert.Equal(t, "1", m.Metadata.Get(sqlbroker.MetadataAttempt))
+					m.Ack()
+				}
+			})
+		}
+	}
+}
+
+// 100 messages with random delays within 10 s come out in the order of their times, each no
+// earlier than its time, and out of order only within the tolerance of the polls.
+func TestDelay_randomDelaysComeOutInOrder(t *testing.T) {
+	t.Parallel()
+	for _, mode := range claimModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			topic := testdb.Topic(t, "")
+			pub := newPublisher(t, pgxDB(t))
+			sub := newSubscriber(t, sqlbroker.SubscriberConfig{ClaimMode: mode, PollInterval: delayPoll})
+			msgs, err := sub.Subscribe(context.Background(), topic)
+			require.NoError(t, err)
+
+			const n = 100
+			at := map[string]time.Time{}
+			batch := make([]*message.Message, n)
+			for i := range batch {
+				m := message.NewMessage(watermill.NewUUID(), []byte(strconv.Itoa(i)))
+				d := time.Duration(rand.Int64N(int64(10 * time.Second)))
+				delay.Message(m, delay.For(d))
+				at[m.UUID] = time.Now().Add(d)
+				batch[i] = m
+			}
+			require.NoError(t, pub.Publish(topic, batch...))
+
+			type got struct {
+				due, arrived time.Time
+			}
+			var seen []got
+			for range n {
+				m := receive(t, msgs, 10*time.Second+lateness)
+				now := time.Now()
+				due, ok := at[m.UUID]
+				require.True(t, ok)
+				delete(at, m.UUID)
+				require.False(t, now.Before(due), "message due at %v came %v early", due, due.Sub(now))
+				seen = append(seen, got{due, now})
+				m.Ack()
+			}
+			var worstLate, worstInversion time.Duration
+			for i, g := range seen {
+				worstLate = max(worstLate, g.arrived.Sub(g.due))
+				if i > 0 {
+					worstInversion = max(worstInversion, seen[i-1].due.Sub(g.due))
+				}
+			}
+			t.Logf("latest delivery %v after its time; largest inversion %v", worstLate, worstInversion)
+			assert.Less(t, worstInversion, lateness, "out of order by more than the tolerance")
+			sorted := sort.SliceIsSorted(seen, func(i, j int) bool { return seen[i].due.Before(seen[j].due) })
+			t.Logf("in exact order: %v", sorted)
+		})
+	}
+}
+
+// delay.NewPublisher over this library's Publisher, with the delay in the message's context,
+// just works.
+func TestDelay_throughDelayPublisher(t *testing.T) {
+	t.Parallel()
+	for _, mode := range claimModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			topic := testdb.Topic(t, "")
+			pub, err := delay.NewPublisher(newPublisher(t, pgxDB(t)), delay.PublisherConfig{})
+			require.NoError(t, err)
+			sub := newSubscriber(t, sqlbroker.SubscriberConfig{ClaimMode: mode, PollInterval: delayPoll})
+			msgs, err := sub.Subscribe(context.Background(), topic)
+			require.NoError(t, err)
+
+			m := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			m.SetContext(delay.WithContext(context.Background(), delay.For(2*time.Second)))
+			published := time.Now()
+			require.NoError(t, pub.Publish(topic, m))
+			got := receive(t, msgs, 2*time.Second+lateness)
+			assert.GreaterOrEqual(t, time.Since(published), 2*time.Second, "delivered before its time")
+			assert.Equal(t, m.UUID, got.UUID)
+			got.Ack()
+		})
+	}
+}
+
+// middleware.DelayOnError with this Subscriber: the failed message comes back no earlier than
+// the delay the middleware set, rather than after the nack backoff.
+func TestDelay_delayOnErrorRequeuesLater(t *testing.T) {
+	t.Parallel()
+	for _, mode := range claimModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			topic := testdb.Topic(t, "")
+			pub := newPublisher(t, pgxDB(t))
+			sub := newSubscriber(t, sqlbroker.SubscriberConfig{ClaimMode: mode, PollInterval: delayPoll, NackBackoff: sqlbroker.NoBackoff})
+			router, err := message.NewRouter(message.RouterConfig{}, nil)
+			require.NoError(t, err)
+			router.AddMiddleware((&middleware.DelayOnError{InitialInterval: 2 * time.Second, MaxInterval: 8 * time.Second, Multiplier: 2}).Middleware)
+			type attempt struct {
+				n  string
+				at time.Time
+			}
+			attempts := make(chan attempt, 10)
+			router.AddNoPublisherHandler("h", topic, sub, func(msg *message.Message) error {
+				attempts <- attempt{msg.Metadata.Get(sqlbroker.MetadataAttempt), time.Now()}
+				if msg.Metadata.Get(sqlbroker.MetadataAttempt) == "1" {
+					return errors.New("fails the first time")
+				}
+				return nil
+			})
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			go func() { _ = router.Run(ctx) }()
+			<-router.Running()
+			defer router.Close()
+			publish(t, pub, topic, "x")
+
+			var first attempt
+			select {
+			case first = <-attempts:
+			case <-time.After(10 * time.Second):
+				t.Fatal("no first attempt")
+			}
+			require.Equal(t, "1", first.n)
+			select {
+			case second := <-attempts:
+				require.Equal(t, "2", second.n)
+				assert.GreaterOrEqual(t, second.at.Sub(first.at), 2*time.Second, "redelivered before the middleware's delay")
+				t.Logf("redelivered after %v", second.at.Sub(first.at))
+			case <-time.After(2*time.Second + lateness):
+				t.Fatal("not redelivered")
+			}
+			testdb.Eventually(t, 10*time.Second, "the ack", func() bool { return sub.Stats().Acked == 1 })
+		})
+	}
+}
+
+// A message whose delay metadata cannot be read is refused, naming the key; nothing is written.
+func TestDelay_unreadableTimeRefused(t *testing.T) {
+	t.Parallel()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	m := message.NewMessage(watermill.NewUUID(), []byte("x"))
+	m.Metadata.Set(delay.DelayedUntilKey, "tomorrow")
+	err := pub.Publish(topic, m)
+	var perr *sqlbroker.PublishError
+	require.ErrorAs(t, err, &perr)
+	assert.Contains(t, err.Error(), fmt.Sprintf("metadata %s %q is not an RFC 3339 time", delay.DelayedUntilKey, "tomorrow"))
+}
+
+// Tables of schema version 1 (before delayed messages) are upgraded in place by
+// InitializeSchema, keeping their messages and groups; without it Subscribe says how to
+// upgrade them.
+func TestSchema_version1TablesUpgraded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	tb := tables(topic)
+	pool := testdb.Pgx(t)
+	pub := newPublisher(t, pgxDB(t))
+	publish(t, pub, topic, "old")
+	_, err := pool.Exec(ctx, `ALTER TABLE `+tb.Messages+` DROP COLUMN "deliver_at"; COMMENT ON TABLE `+tb.Messages+` IS 'sqlbroker schema v1'`)
+	require.NoError(t, err)
+
+	plain, err := sqlbroker.NewSubscriber(pgxDB(t), sqlbroker.SubscriberConfig{}, nil)
+	require.NoError(t, err)
+	defer plain.Close()
+	_, err = plain.Subscribe(ctx, topic)
+	var verr *sqlbroker.SchemaVersionError
+	require.ErrorAs(t, err, &verr)
+	assert.Contains(t, err.Error(), "set InitializeSchema: true, or run the SQL of sqlbroker.SchemaSQL")
+
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{PollInterval: delayPoll})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "old", string(m.Payload))
+	m.Ack()
+
+	late := message.NewMessage(watermill.NewUUID(), []byte("late"))
+	delay.Message(late, delay.For(time.Second))
+	published := time.Now()
+	require.NoError(t, pub.Publish(topic, late))
+	m = receive(t, msgs, time.Second+lateness)
+	assert.GreaterOrEqual(t, time.Since(published), time.Second)
+	m.Ack()
+}
