@@ -338,6 +338,7 @@ type delivery struct {
 	msg      *message.Message
 	cancel   context.CancelCauseFunc
 	gen      uint64 // advisory mode: generation of the lock connection that took its lock
+	sub      *subscription
 
 	mu       sync.Mutex
 	deadline time.Time // local lease deadline
@@ -345,6 +346,7 @@ type delivery struct {
 	settling bool
 	slot     bool // holds a handler slot (taken by handOutLoop, given back by freeSlot)
 	unheld   bool // its held token was given back (freeHeld)
+	inTx     bool // acked in the caller's transaction (AckInTx)
 }
 
 func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, groupID int32) *subscription {
@@ -845,8 +847,9 @@ func (sub *subscription) newDelivery(c offsets.Claimed, token int64, deadline ti
 	msg.Metadata.Set(MetadataAttempt, strconv.Itoa(c.Attempts))
 	msg.Metadata.Set(MetadataOffset, strconv.FormatInt(c.Offset, 10))
 	ctx, cancel := context.WithCancelCause(sub.msgCtx)
-	msg.SetContext(ctx)
-	return &delivery{offset: c.Offset, token: token, attempts: c.Attempts, msg: msg, cancel: cancel, deadline: deadline}
+	d := &delivery{offset: c.Offset, token: token, attempts: c.Attempts, msg: msg, cancel: cancel, deadline: deadline, sub: sub}
+	msg.SetContext(context.WithValue(ctx, deliveryKey{}, d))
+	return d
 }
 
 // giveBack releases claims that never reached a handler.
@@ -1104,6 +1107,8 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 	if sub.adv != nil {
 		return sub.adv.apply(op, sts)
 	}
+	sts, inTx := sub.ackedInTx(op, sts)
+	sub.settledInTx(inTx)
 	var these []settlement
 	var fs []offsets.Fenced
 	for _, st := range sts {
@@ -1143,6 +1148,8 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 			} else {
 				sub.s.stats.nacked.Add(1)
 			}
+		} else if st.d.wasAckedInTx() {
+			sub.s.stats.acked.Add(1) // the caller's transaction acked it and committed
 		} else {
 			sub.s.stats.stale.Add(1)
 			st.d.mu.Lock()
@@ -1271,7 +1278,7 @@ func (sub *subscription) extendOnce() {
 	now := time.Now()
 	for _, d := range ds {
 		d.mu.Lock()
-		ok := !d.lost
+		ok := !d.lost && !d.inTx // a claim acked in a transaction is locked by it until it ends
 		d.mu.Unlock()
 		if ok {
 			fs = append(fs, offsets.Fenced{Offset: d.offset, Token: d.token})

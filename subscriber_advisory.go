@@ -403,6 +403,20 @@ func (a *advisoryState) refuseClosed(d *delivery, op string) {
 // token, then unlock. A delivery whose lock was lost is refused without a statement (A3).
 func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 	sub := a.sub
+	sts, inTx := sub.ackedInTx(op, sts)
+	if len(inTx) > 0 {
+		byGen := map[uint64][]int64{}
+		for _, st := range inTx {
+			byGen[st.d.gen] = append(byGen[st.d.gen], st.d.offset)
+		}
+		for gen, offs := range byGen {
+			a.unlock(offs, gen) // the caller's commit deleted the claims: their locks go
+		}
+		sub.settledInTx(inTx)
+		for range inTx {
+			a.settling.Done()
+		}
+	}
 	var these []settlement
 	var fs []offsets.Fenced
 	for _, st := range sts {
@@ -412,8 +426,15 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 		st.d.mu.Lock()
 		lost := st.d.lost
 		st.d.mu.Unlock()
-		if lost || a.locksReleased() {
+		if (lost || a.locksReleased()) && !st.d.wasAckedInTx() {
 			a.refuse(st, lost)
+			continue
+		}
+		if lost || a.locksReleased() {
+			// A nack after AckInTx whose lock is gone: the caller rolled back (the message is
+			// another consumer's now) or committed (it is settled); not stale either way.
+			sub.forget(st.d)
+			a.settling.Done()
 			continue
 		}
 		these = append(these, st)
@@ -447,6 +468,8 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 			} else {
 				sub.s.stats.nacked.Add(1)
 			}
+		} else if st.d.wasAckedInTx() {
+			sub.s.stats.acked.Add(1) // the caller's transaction acked it and committed
 		} else {
 			// The row no longer carries this delivery's token although its lock was held.
 			sub.s.stats.stale.Add(1)
