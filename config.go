@@ -53,6 +53,7 @@ const (
 	DefaultGroupTimeout       = 30 * time.Second
 	DefaultNackBackoff        = time.Second
 	DefaultMaxNackBackoff     = time.Minute
+	DefaultDeadLetterSuffix   = ".dead-letter"
 	maxTablePrefixLength      = 24
 	maxSchemaNameLength       = ident.MaxIdentifierLength
 	minLeaseTTL               = 100 * time.Millisecond
@@ -237,6 +238,21 @@ type SubscriberConfig struct {
 	// NackBackoff. Defaults to DefaultMaxNackBackoff (or NackBackoff, if that is longer).
 	MaxNackBackoff time.Duration
 
+	// MaxAttempts, when above 0, bounds the deliveries of a message within the consumer
+	// group: a message nacked at its MaxAttempts-th attempt, or claimed again after that many
+	// (its leases lost, its consumers gone), is moved to DeadLetterTopic instead, in the same
+	// statement that settles its claim: it is never both there and due again, and never
+	// lost. Defaults to 0: no bound, a message is delivered until it is acked (Watermill's
+	// PoisonQueue middleware then does the same in the Router).
+	MaxAttempts int
+
+	// DeadLetterTopic is where MaxAttempts moves a message, with its original topic, consumer
+	// group, attempts and offset in its metadata (MetadataDeadLetterTopic and the keys
+	// beside it). Defaults to the subscribed topic followed by DefaultDeadLetterSuffix
+	// ("orders" moves to "orders.dead-letter"). Its tables are created on Subscribe with
+	// InitializeSchema, and must exist otherwise.
+	DeadLetterTopic string
+
 	// RetryInterval is how long a subscription waits after a database error before it tries
 	// again. Defaults to DefaultRetryInterval.
 	RetryInterval time.Duration
@@ -336,7 +352,7 @@ func (c *SubscriberConfig) validate() error {
 	positive := []struct {
 		name string
 		v    int
-	}{{"MaxInFlight", c.MaxInFlight}, {"BatchSize", c.BatchSize}}
+	}{{"MaxInFlight", c.MaxInFlight}, {"BatchSize", c.BatchSize}, {"MaxAttempts", c.MaxAttempts}}
 	for _, p := range positive {
 		if p.v < 0 {
 			return &ConfigError{Field: p.name, Value: p.v, Reason: "must not be negative"}
@@ -354,6 +370,11 @@ func (c *SubscriberConfig) validate() error {
 	for _, d := range durations {
 		if d.v < 0 {
 			return &ConfigError{Field: d.name, Value: d.v, Reason: "must not be negative"}
+		}
+	}
+	if c.DeadLetterTopic != "" {
+		if err := ident.ValidateName("DeadLetterTopic", c.DeadLetterTopic); err != nil {
+			return err
 		}
 	}
 	if c.NackBackoff < 0 && c.NackBackoff != NoBackoff {

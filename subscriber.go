@@ -72,7 +72,7 @@ var (
 
 // subscriberStats are the counters behind Stats.
 type subscriberStats struct {
-	claimed, acked, nacked, released, stale, leasesLost, errors atomic.Int64
+	claimed, acked, nacked, released, stale, leasesLost, errors, deadLettered atomic.Int64
 }
 
 // Stats are counters of a Subscriber since it was built.
@@ -84,6 +84,7 @@ type Stats struct {
 	StaleSettlements int64 // acks and nacks refused because the claim was no longer held (L3)
 	LeasesLost       int64 // deliveries whose claim was lost while in work (L4; advisory mode: A3)
 	Errors           int64 // database errors met by claim, extension and settlement
+	DeadLettered     int64 // messages moved to the dead-letter topic (MaxAttempts), counted in Nacked too
 	InFlight         int   // messages claimed and not yet settled, now
 	LocksHeld        int   // advisory locks held by the lock connections, now (advisory mode)
 }
@@ -123,6 +124,7 @@ func (s *Subscriber) Stats() Stats {
 		StaleSettlements: s.stats.stale.Load(),
 		LeasesLost:       s.stats.leasesLost.Load(),
 		Errors:           s.stats.errors.Load(),
+		DeadLettered:     s.stats.deadLettered.Load(),
 	}
 	s.mu.Lock()
 	for sub := range s.subs {
@@ -179,12 +181,17 @@ func (s *Subscriber) subscribe(ctx context.Context, topic string) (*subscription
 	if err != nil {
 		return nil, fmt.Errorf("sqlbroker: subscribe to %q: %w", topic, err)
 	}
+	dlq, err := s.deadLetterStore(ctx, topic)
+	if err != nil {
+		return nil, fmt.Errorf("sqlbroker: subscribe to %q: dead-letter topic: %w", topic, err)
+	}
 	groupID, err := store.EnsureGroup(ctx, s.db, s.config.ConsumerGroup, s.config.StartAtNewest)
 	if err != nil {
 		return nil, fmt.Errorf("sqlbroker: subscribe to %q: consumer group %q: %w", topic, s.config.ConsumerGroup, err)
 	}
 
 	sub := newSubscription(s, ctx, store, groupID)
+	sub.dlq = dlq
 	if err := sub.openAdvisory(ctx); err != nil {
 		sub.unreg()
 		sub.unlisten()
@@ -311,6 +318,7 @@ type subscription struct {
 	alone               atomic.Bool // a Router subscription that stopped while the Router ran on
 
 	adv *advisoryState // advisory-lock mode only (subscriber_advisory.go)
+	dlq *offsets.Store // the dead-letter topic's, with MaxAttempts only (deadletter.go)
 
 	dueAt atomic.Int64 // UnixNano from when a claim of this subscription is due again; 0: none
 
@@ -761,6 +769,10 @@ func (sub *subscription) register(claimed []offsets.Claimed, token int64, sent t
 		sub.adv.registered(ds)
 	}
 	for _, d := range ds {
+		if sub.dlq != nil && d.attempts > sub.cfg.MaxAttempts {
+			sub.deadOnArrival(d)
+			continue
+		}
 		sub.ready <- d
 	}
 }
@@ -939,6 +951,10 @@ func (sub *subscription) nackWaits(sts []settlement) []time.Duration {
 	byAttempt := map[int]time.Duration{}
 	now := time.Now()
 	for i, st := range sts {
+		if sub.overAttempts(st.d) {
+			waits[i] = deadLetterWait
+			continue
+		}
 		if until, later, err := delayedUntil(st.d.msg.Metadata, now); err == nil && later {
 			waits[i] = until.Sub(now).Round(time.Millisecond)
 			continue
@@ -1083,6 +1099,16 @@ func (sub *subscription) nackStatements(fs []offsets.Fenced, waits []time.Durati
 	done := make(map[int64]bool, len(fs))
 	for _, w := range order {
 		var these map[int64]bool
+		if w == deadLetterWait {
+			these, err := sub.deadLetter(byWait[w])
+			if err != nil {
+				return done, err
+			}
+			for o := range these {
+				done[o] = true
+			}
+			continue
+		}
 		err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtNack, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
 			var err error
 			these, err = sub.store.Nack(ctx, q, sub.groupID, byWait[w], w)

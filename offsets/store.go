@@ -34,6 +34,8 @@ type Store struct {
 	lookupGrpSQL        string
 	horizonSQL          string
 	pruneSQL            string
+
+	with, cond string // the asynchronous-commit prefix and condition of the statements
 }
 
 // NewStore prepares the SQL text for t. With asyncCommit, claims, extensions and
@@ -50,6 +52,7 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 		with = "WITH sc AS (SELECT set_config('synchronous_commit', 'off', true) AS v), "
 		cond = " AND (SELECT v FROM sc) IS NOT NULL"
 	}
+	s.with, s.cond = with, cond
 
 	// One round trip claims up to $4 messages for group $1 under token $2 with a lease of $3 ms:
 	//  - due: claims of the group that are due again (their lease ran out, or they were nacked
