@@ -204,7 +204,8 @@ type SubscriberConfig struct {
 
 	// BatchSize bounds the messages claimed in one round trip; with MaxInFlight above 1 it is
 	// also how many a subscription holds claimed ahead of its handlers. Defaults to
-	// DefaultBatchSize, and never more than MaxInFlight.
+	// DefaultBatchSize. It is never more than MaxInFlight: a larger value, given or the
+	// default, is lowered to MaxInFlight (NewSubscriber logs it at Info when it was given).
 	BatchSize int
 
 	// PollInterval is how long a subscription waits before it looks for messages again after

@@ -95,12 +95,17 @@ func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapte
 	if db.pool == nil {
 		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx or sqlbroker.StdSQL (a transaction can only publish)"}
 	}
+	batch := config.BatchSize
 	config.setDefaults()
 	if err := config.validate(); err != nil {
 		return nil, err
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
+	}
+	if batch > config.BatchSize {
+		logger.Info("BatchSize lowered to MaxInFlight: a claim takes no more messages than can be in handlers at once",
+			watermill.LogFields{"batch_size": batch, "max_in_flight": config.MaxInFlight})
 	}
 	return &Subscriber{
 		db:       db.pool,
@@ -1182,11 +1187,23 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 			lost := st.d.lost
 			st.d.mu.Unlock()
 			serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: st.d.offset, Op: op}
-			sub.logger.Error("Settlement refused", serr, watermill.LogFields{"lease_lost_before": lost})
+			sub.logStale("Settlement refused", serr, watermill.LogFields{"lease_lost_before": lost})
 		}
 		sub.forget(st.d)
 	}
 	return nil
+}
+
+// logStale logs a settlement refused because its claim was no longer the delivery's (err
+// wraps a StaleSettlementError), at Info: it means only that the claim was lost (its lease
+// ran out, its lock went, or Shutdown released it), and the message is or will be delivered
+// again; Stats().StaleSettlements counts them. The error is in the field "err".
+func (sub *subscription) logStale(msg string, err error, fields watermill.LogFields) {
+	f := watermill.LogFields{"err": err}
+	for k, v := range fields {
+		f[k] = v
+	}
+	sub.logger.Info(msg, f)
 }
 
 // forget drops a delivery from the work set, frees its slot and ends its context.

@@ -396,7 +396,7 @@ func (a *advisoryState) refuseClosed(d *delivery, op string) {
 	sub := a.sub
 	sub.s.stats.stale.Add(1)
 	serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: d.offset, Op: op}
-	sub.logger.Error("Settlement after shutdown refused", fmt.Errorf("%w: %w", ErrClosed, serr), nil)
+	sub.logStale("Settlement after shutdown refused", fmt.Errorf("%w: %w", ErrClosed, serr), nil)
 }
 
 // apply is subscription.apply for the advisory mode: settle in the database, fenced by the
@@ -474,7 +474,7 @@ func (a *advisoryState) apply(op string, sts []settlement) []settlement {
 			// The row no longer carries this delivery's token although its lock was held.
 			sub.s.stats.stale.Add(1)
 			serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: st.d.offset, Op: op}
-			sub.logger.Error("Settlement refused", serr, watermill.LogFields{"lock_lost_before": lostBefore[i]})
+			sub.logStale("Settlement refused", serr, watermill.LogFields{"lock_lost_before": lostBefore[i]})
 		}
 		sub.forget(st.d)
 		a.settling.Done()
@@ -489,9 +489,9 @@ func (a *advisoryState) refuse(st settlement, lost bool) {
 	sub.s.stats.stale.Add(1)
 	serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: st.d.offset, Op: st.op}
 	if lost {
-		sub.logger.Error("Settlement refused: the advisory lock was lost", serr, nil)
+		sub.logStale("Settlement refused: the advisory lock was lost", serr, nil)
 	} else {
-		sub.logger.Error("Settlement refused", fmt.Errorf("%w: %w", ErrClosed, serr), nil)
+		sub.logStale("Settlement refused", fmt.Errorf("%w: %w", ErrClosed, serr), nil)
 	}
 	sub.forget(st.d)
 	a.settling.Done()

@@ -126,6 +126,11 @@ type recordingLogger struct {
 
 func (r recordingLogger) Error(msg string, err error, fields watermill.LogFields) {
 	r.inner.Error(msg, err, fields)
+	r.record(msg, err, fields)
+}
+
+// record turns a log line into an event, if it is one of those the chaos checks count.
+func (r recordingLogger) record(msg string, err error, fields watermill.LogFields) {
 	var stale *sqlbroker.StaleSettlementError
 	switch {
 	case errors.As(err, &stale):
@@ -142,6 +147,10 @@ func (r recordingLogger) Error(msg string, err error, fields watermill.LogFields
 
 func (r recordingLogger) Info(msg string, fields watermill.LogFields) {
 	r.inner.Info(msg, fields)
+	if err, ok := fields["err"].(error); ok {
+		r.record(msg, err, fields) // refused settlements are logged at Info, their error in "err"
+		return
+	}
 	switch {
 	case strings.HasPrefix(msg, "Lease lost"):
 		r.log.emit(event{Kind: evLeaseLost, Offset: offsetField(fields)})
