@@ -100,8 +100,15 @@ func (t Tables) SchemaSQL() string {
 	CONSTRAINT %s PRIMARY KEY ("offset")
 );
 `, t.Messages, t.seq("_m_seq"), t.obj("_m_pkey"))
-	// Tables of schema version 1 lack deliver_at; on tables just created this does nothing.
-	fmt.Fprintf(&b, "ALTER TABLE %s ADD COLUMN IF NOT EXISTS \"deliver_at\" timestamptz;\n", t.Messages)
+	// Tables of schema version 1 lack deliver_at. The catalog is read first: ALTER TABLE takes
+	// the table's ACCESS EXCLUSIVE lock even when the column exists, and this DDL also runs on
+	// tables that are up to date (a migration tool running it again).
+	fmt.Fprintf(&b, `DO $sqlbroker$ BEGIN
+	IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = %[1]s::regclass AND attname = 'deliver_at' AND NOT attisdropped) THEN
+		ALTER TABLE %[2]s ADD COLUMN IF NOT EXISTS "deliver_at" timestamptz;
+	END IF;
+END $sqlbroker$;
+`, quoteLiteral(t.Messages), t.Messages)
 	fmt.Fprintf(&b, "CREATE INDEX IF NOT EXISTS %s ON %s (\"xid\", \"offset\");\n", t.obj("_m_xid"), t.Messages)
 	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS '%s%d';\n", t.Messages, schemaCommentPrefix, SchemaVersion)
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
