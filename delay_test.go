@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/components/delay"
+	"github.com/ThreeDotsLabs/watermill/components/requeuer"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/stretchr/testify/assert"
@@ -261,4 +262,59 @@ func TestSchema_version1TablesUpgraded(t *testing.T) {
 	m = receive(t, msgs, time.Second+lateness)
 	assert.GreaterOrEqual(t, time.Since(published), time.Second)
 	m.Ack()
+}
+
+// The requeuer: DelayOnError marks the failed message, PoisonQueue moves it to a requeue
+// topic, the requeuer publishes it back through this library's Publisher, and the message is
+// delivered again on its topic no earlier than the delay.
+func TestDelay_requeuerRepublishesDelayed(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	requeue := "requeue-" + topic
+	t.Cleanup(func() { testdb.DropTopic(t, "", requeue) })
+	pub := newPublisher(t, pgxDB(t))
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{PollInterval: delayPoll})
+	requeueSub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "requeuer", PollInterval: delayPoll})
+
+	router, err := message.NewRouter(message.RouterConfig{}, nil)
+	require.NoError(t, err)
+	pq, err := middleware.PoisonQueue(pub, requeue)
+	require.NoError(t, err)
+	router.AddMiddleware(pq, (&middleware.DelayOnError{InitialInterval: 2 * time.Second, MaxInterval: 8 * time.Second, Multiplier: 2}).Middleware)
+	handled := make(chan time.Time, 10)
+	router.AddNoPublisherHandler("h", topic, sub, func(msg *message.Message) error {
+		handled <- time.Now()
+		if msg.Metadata.Get(requeuer.RetriesKey) == "" {
+			return errors.New("fails until requeued")
+		}
+		return nil
+	})
+	_, err = requeuer.NewRequeuer(requeuer.Config{
+		Subscriber: requeueSub, SubscribeTopic: requeue, Publisher: pub, Router: router,
+		GeneratePublishTopic: func(p requeuer.GeneratePublishTopicParams) (string, error) {
+			return p.Message.Metadata.Get(middleware.PoisonedTopicKey), nil
+		},
+	}, watermill.NopLogger{})
+	require.NoError(t, err)
+	rctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() { _ = router.Run(rctx) }()
+	<-router.Running()
+	defer router.Close()
+
+	publish(t, pub, topic, "x")
+	var first time.Time
+	select {
+	case first = <-handled:
+	case <-time.After(10 * time.Second):
+		t.Fatal("not handled")
+	}
+	select {
+	case again := <-handled:
+		assert.GreaterOrEqual(t, again.Sub(first), 2*time.Second, "requeued before its delay")
+		t.Logf("requeued and handled again after %v", again.Sub(first))
+	case <-time.After(2*time.Second + lateness):
+		t.Fatal("not requeued")
+	}
 }
