@@ -18,10 +18,13 @@ import (
 // DelayOnError does) makes it wait until then instead of the nack backoff.
 
 // delayedUntil returns the time md delays its message until, read at now, and whether that
-// time is still to come. The RFC 3339 time of the metadata is cut to the second; when the
-// delay (delay.DelayedForKey) counted from now falls within that second, the message was
-// delayed just before now, and now plus the delay is the finer time: a message delayed by 3 s
-// is then not delivered before 3 s have passed. An unreadable time is an error.
+// time is still to come. The RFC 3339 time of the metadata is cut to the second. With the
+// delay itself (delay.DelayedForKey) beside it, the time the delay was set for is known to lie
+// within that second and no later than now plus the delay, and the earlier of the two bounds
+// is taken: a message delayed by 3 s is then never delivered before 3 s have passed, and at
+// most the rest of a second late when it was published well after it was delayed (a message
+// republished long after its time is not delayed again: that time has passed). An unreadable
+// time is an error.
 func delayedUntil(md message.Metadata, now time.Time) (time.Time, bool, error) {
 	v := md.Get(delay.DelayedUntilKey)
 	if v == "" {
@@ -31,9 +34,12 @@ func delayedUntil(md message.Metadata, now time.Time) (time.Time, bool, error) {
 	if err != nil {
 		return time.Time{}, false, fmt.Errorf("metadata %s %q is not an RFC 3339 time", delay.DelayedUntilKey, v)
 	}
-	if d, err := time.ParseDuration(md.Get(delay.DelayedForKey)); err == nil && d > 0 {
-		if fine := now.Add(d); !fine.Before(until) && fine.Before(until.Add(time.Second)) {
-			until = fine
+	if d, err := time.ParseDuration(md.Get(delay.DelayedForKey)); err == nil && d > 0 && until.Nanosecond() == 0 {
+		// The time the delay was set for lies in [until, until+1s), and is no later than fine:
+		// the delay was set before now. The earlier of fine and the end of that second is
+		// never before it.
+		if fine := now.Add(d); !fine.Before(until) {
+			until = minTime(fine, until.Add(time.Second))
 		}
 	}
 	return until, until.After(now), nil
@@ -59,4 +65,11 @@ func (sub *subscription) untilDue(idle time.Duration) time.Duration {
 		return idle
 	}
 	return max(0, min(idle, time.Until(time.Unix(0, at))))
+}
+
+func minTime(a, b time.Time) time.Time {
+	if a.Before(b) {
+		return a
+	}
+	return b
 }

@@ -318,3 +318,27 @@ func TestDelay_requeuerRepublishesDelayed(t *testing.T) {
 		t.Fatal("not requeued")
 	}
 }
+
+// The time recovered from the delay metadata is never before the time the delay was set for,
+// however late the message is published after delay.Message, and at most a second after it.
+func TestDelay_metadataTimeNeverEarly(t *testing.T) {
+	t.Parallel()
+	base := time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
+	for _, frac := range []time.Duration{0, 100 * time.Millisecond, 900 * time.Millisecond, 999 * time.Millisecond} {
+		for _, lag := range []time.Duration{0, 10 * time.Millisecond, 150 * time.Millisecond, 950 * time.Millisecond, 5 * time.Second} {
+			want := base.Add(frac) // the time the delay was set for
+			d := 3 * time.Second   // delay.For(d) at want-d
+			md := message.Metadata{}
+			md.Set(delay.DelayedUntilKey, want.Format(time.RFC3339))
+			md.Set(delay.DelayedForKey, d.String())
+			got, later, err := sqlbroker.DelayedUntil(md, want.Add(-d).Add(lag))
+			require.NoError(t, err)
+			assert.Equal(t, lag < d, later, "frac %v lag %v: still to come", frac, lag)
+			assert.False(t, got.Before(want), "frac %v lag %v: %v is before %v", frac, lag, got, want)
+			assert.LessOrEqual(t, got.Sub(want), time.Second, "frac %v lag %v", frac, lag)
+			if lag < time.Second-frac {
+				assert.Equal(t, want.Add(lag), got, "frac %v lag %v: the finer time", frac, lag)
+			}
+		}
+	}
+}

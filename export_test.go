@@ -40,3 +40,6 @@ func NackBackoffFor(c SubscriberConfig, attempt int) time.Duration {
 	c.setDefaults()
 	return c.nackBackoff(attempt)
 }
+
+// DelayedUntil is the time a message's delay metadata holds it until, read at now.
+var DelayedUntil = delayedUntil
