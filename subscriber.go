@@ -805,6 +805,11 @@ func (sub *subscription) handOutLoop() {
 		}
 		d.mu.Lock()
 		d.slot = true
+		// In lease mode a claim held ahead whose local deadline passed (the process was frozen,
+		// extensions failed) may be another consumer's already: it is dropped, not handed out.
+		if sub.adv == nil && !d.lost && time.Now().After(d.deadline) {
+			d.lost = true
+		}
 		lost := d.lost
 		d.mu.Unlock()
 		if lost {
