@@ -53,7 +53,11 @@ func openIdleEnv(ctx context.Context, cfg *config, c contender, d driver) (*idle
 		if err != nil {
 			return nil, err
 		}
-		db.SetMaxOpenConns(cfg.poolSize)
+		n := cfg.poolSize
+		if c == advisory {
+			n += cfg.idleLockSubs // its lock connections come out of the *sql.DB's limit
+		}
+		db.SetMaxOpenConns(n)
 		db.SetMaxIdleConns(cfg.poolSize)
 		e.std = db
 		return e, nil
