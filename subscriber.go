@@ -313,6 +313,7 @@ type subscription struct {
 	adv *advisoryState // advisory-lock mode only (subscriber_advisory.go)
 
 	dueAt atomic.Int64 // UnixNano from when a claim of this subscription is due again; 0: none
+	idle  idleState    // parking while there is nothing to claim (idlepoll.go)
 
 	settleCh   chan settlement
 	awaits     sync.WaitGroup // await goroutines; settleCh closes when they are all done
@@ -374,6 +375,7 @@ func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, g
 	}
 	sub.held = make(chan struct{}, s.config.MaxInFlight+sub.prefetch)
 	sub.ready = make(chan *delivery, s.config.MaxInFlight+sub.prefetch)
+	sub.initIdle()
 	sub.woken, sub.unreg = wake.Register(store.T.Messages)
 	sub.unlisten = listen.Acquire(s.db, s.logger)
 	return sub
@@ -496,6 +498,7 @@ func (sub *subscription) claimLoop() {
 			sub.connsClosed.Add(1)
 		}
 	}()
+	defer sub.joinIdlePoll()()
 
 	buf := make([]offsets.Claimed, 0, sub.cfg.BatchSize)
 	idle := sub.cfg.PollInterval // the next pause when a claim finds nothing
@@ -528,7 +531,13 @@ func (sub *subscription) claimLoop() {
 			continue
 		}
 		if len(claimed) == 0 {
-			goOn, woken := sub.wait(idle, true)
+			var goOn, woken bool
+			if withDue && idle >= sub.cfg.PollInterval {
+				// Nothing now, nothing due: sleep until told (idlepoll.go).
+				goOn, woken = sub.park()
+			} else {
+				goOn, woken = sub.wait(idle, true)
+			}
 			if !goOn {
 				return
 			}
@@ -591,6 +600,7 @@ func (sub *subscription) markDue(t time.Time) {
 			return
 		}
 		if sub.dueAt.CompareAndSwap(at, v) {
+			sub.pokeDue()
 			return
 		}
 	}

@@ -68,6 +68,9 @@ func openIdleEnv(ctx context.Context, cfg *config, c contender, d driver) (*idle
 	}
 	pc.MaxConns = int32(cfg.poolSize)
 	pc.ConnConfig.RuntimeParams["application_name"] = c.appName()
+	if cfg.traceSQL {
+		pc.ConnConfig.Tracer = sqlTracer
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
 		return nil, err
@@ -148,10 +151,18 @@ func (b *bench) txRate(ctx context.Context, window time.Duration) (float64, erro
 		return 0, err
 	}
 	start := time.Now()
-	select {
-	case <-time.After(window):
-	case <-ctx.Done():
-		return 0, context.Cause(ctx)
+	prev := before
+	for time.Since(start) < window {
+		select {
+		case <-time.After(time.Second):
+		case <-ctx.Done():
+			return 0, context.Cause(ctx)
+		}
+		if b.cfg.verbose {
+			n, _ := b.xacts(ctx)
+			b.logf("    +%d", n-prev)
+			prev = n
+		}
 	}
 	after, err := b.xacts(ctx)
 	if err != nil {

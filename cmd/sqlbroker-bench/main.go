@@ -127,7 +127,7 @@ func parseFlags() (*config, error) {
 	flag.IntVar(&c.idleSubs, "idle-subs", 100, "scenario 8: idle subscriptions, one topic each")
 	flag.IntVar(&c.idleLockSubs, "idle-lock-subs", 40, "scenarios 8, 9: idle subscriptions of the advisory mode (each holds a connection)")
 	flag.DurationVar(&c.idleWindow, "idle-window", 10*time.Second, "scenarios 8, 9: window over which transactions are counted")
-	flag.DurationVar(&c.idleSettle, "idle-settle", 5*time.Second, "scenarios 8, 9: wait after subscribing before counting")
+	flag.DurationVar(&c.idleSettle, "idle-settle", 15*time.Second, "scenarios 8, 9: wait after subscribing before counting (a backend reports the transactions it ran before going idle up to 10 s late)")
 	flag.IntVar(&c.manySubs, "many-subs", 1000, "scenario 9: idle subscriptions in one process, one topic each")
 	flag.IntVar(&c.groupBacklog, "group-backlog", 300_000, "scenario 10: backlog published before each run")
 	flag.DurationVar(&c.groupWindow, "group-window", 10*time.Second, "scenario 10: timed window")
