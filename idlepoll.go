@@ -33,6 +33,11 @@ const pollChunk = 64
 // claims by itself, whatever the shared poll says.
 const idleSafetyPolls = 30
 
+// pollLimit bounds one statement of the shared poll; past it the statement is cancelled on
+// the server and every parked subscription of its chunk claims by itself. A table lock on one
+// topic's tables (a migration's) thus delays the others of its chunk by this much at most.
+const pollLimit = time.Second
+
 // stmtIdlePoll is the kind of the shared poll's statements in its tracker.
 const stmtIdlePoll = "idle-poll"
 
@@ -242,7 +247,8 @@ func (p *idlePoller) run() {
 	last := time.Now()
 	for {
 		poll, idle := p.intervals()
-		t := time.NewTimer(poll)
+		tick := min(poll, idle)
+		t := time.NewTimer(tick)
 		select {
 		case <-t.C:
 		case <-p.stop:
@@ -253,7 +259,7 @@ func (p *idlePoller) run() {
 		if listen.Listening(p.pool) {
 			every = idle
 		}
-		if time.Since(last) < every-poll/2 {
+		if time.Since(last) < every-tick/2 {
 			continue
 		}
 		last = time.Now()
@@ -301,7 +307,7 @@ func (p *idlePoller) pollOnce() {
 	p.mu.Unlock()
 	for _, j := range jobs {
 		var found []int64
-		err := p.tracker.Run(context.Background(), stmtIdlePoll, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
+		err := p.tracker.Run(context.Background(), stmtIdlePoll, pollLimit, func(ctx context.Context, q dbx.Querier) error {
 			var err error
 			found, err = dbx.ScanInt64s(q.Query(ctx, j.sql, j.args...))
 			return err
