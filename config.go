@@ -186,7 +186,7 @@ type SubscriberConfig struct {
 	// subscription also holds up to BatchSize more claimed ahead, handed out as handler slots
 	// free (and given back at once when it stops), and acks waiting for their batched
 	// statement. In advisory mode each of those claims holds a lock: a subscription holds at
-	// most MaxInFlight + BatchSize advisory locks (A6), and, for a moment during an orphan
+	// most MaxInFlight + BatchSize advisory locks, and, for a moment during an orphan
 	// search, the locks of up to 256 orphans beyond that, dropped at once. With 1, and one
 	// subscriber in the group, messages arrive in the commit order of their publishers, and
 	// nothing is claimed ahead. A handler that never returns keeps its place and (in lease

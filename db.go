@@ -11,7 +11,7 @@ import (
 
 // DB is the database a Publisher or Subscriber works through: the caller's pool, wrapped by
 // Pgx or StdSQL, or, for a Publisher only, the caller's transaction, wrapped by PgxTx or
-// StdTx. The library never closes a pool the caller passed in (S7).
+// StdTx. The library never closes a pool the caller passed in.
 type DB struct {
 	pool dbx.Pool    // set for a pool
 	tx   dbx.Querier // set for a caller's transaction

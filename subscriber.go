@@ -24,7 +24,7 @@ import (
 const (
 	// MetadataAttempt is the delivery attempt of the message within its consumer group:
 	// "1" the first time, and one more every time it is claimed again after a nack, a lost
-	// lease or a dead consumer (M4).
+	// lease or a dead consumer.
 	MetadataAttempt = "sqlbroker_attempt"
 	// MetadataOffset is the message's offset in its topic.
 	MetadataOffset = "sqlbroker_offset"
@@ -81,8 +81,8 @@ type Stats struct {
 	Acked            int64 // acks applied
 	Nacked           int64 // nacks applied
 	Released         int64 // claims given back without reaching a handler
-	StaleSettlements int64 // acks and nacks refused because the claim was no longer held (L3)
-	LeasesLost       int64 // deliveries whose claim was lost while in work (L4; advisory mode: A3)
+	StaleSettlements int64 // acks and nacks refused because the claim was no longer held
+	LeasesLost       int64 // deliveries whose claim was lost while in work (its lease ran out, or, in advisory mode, its lock connection died)
 	Errors           int64 // database errors met by claim, extension and settlement
 	InFlight         int   // messages claimed and not yet settled, now
 	LocksHeld        int   // advisory locks held by the lock connections, now (advisory mode)
@@ -153,7 +153,7 @@ func (s *Subscriber) tablesOf(topic string) (offsets.Tables, error) {
 
 // Subscribe starts claiming messages of topic for the consumer group and returns the channel
 // they arrive on. ctx bounds the subscription: cancelling it, or Close, stops claiming, gives
-// back at once every claim not yet handed to a handler, and closes the channel (M5). Messages
+// back at once every claim not yet handed to a handler, and closes the channel. Messages
 // already handed out stay claimed until they are acked or nacked (their leases are extended
 // meanwhile) or until Shutdown.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {

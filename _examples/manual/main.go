@@ -1,7 +1,8 @@
-// Command manual is the "exports" service of _examples/shutdown, driven by hand: the
-// subscriber is built on the caller's own pool, its handler reads a differently named source
-// table (the tables of topic "exports" under the prefix "inbox_"), and the service calls
-// Shutdown itself after the Router has stopped, then closes its own pool.
+// Command manual drives a subscriber by hand, without a Router, on the caller's own pool: it
+// publishes export requests, works them 16 at a time, and after -run-for calls Shutdown while
+// exports are still in work. It then prints the CloseReport with what each figure means, and
+// drops the example's tables (-keep keeps them, so that the next run picks up what this one
+// left).
 //
 //	go run ./_examples/manual -url postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 package main
@@ -11,9 +12,8 @@ import (
 	"flag"
 	"fmt"
 	"log"
-	"os"
-	"os/signal"
-	"syscall"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -25,52 +25,61 @@ import (
 
 const (
 	topic = "exports"
-	// source names the tables the handler reads: inbox_exports_messages and its companions.
-	source = "inbox_"
+	// prefix names the example's tables: manual_exports_messages and its companions.
+	prefix = "manual_"
+	// leaseTTL is short so that the messages left in work come back soon in a next run.
+	leaseTTL = 5 * time.Second
 )
 
 func main() {
 	url := flag.String("url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL")
-	publish := flag.Int("publish", 20, "export requests to publish at start-up")
+	publish := flag.Int("publish", 60, "export requests to publish at start-up")
 	work := flag.Duration("work", 200*time.Millisecond, "how long one export takes")
-	runFor := flag.Duration("run-for", 0, "stop after this long (0: run until SIGINT or SIGTERM)")
+	runFor := flag.Duration("run-for", 500*time.Millisecond, "how long to work before shutting down")
+	keep := flag.Bool("keep", false, "keep the example's tables and what is left in them")
 	flag.Parse()
-	if err := run(*url, *publish, *work, *runFor); err != nil {
+	if err := run(*url, *publish, *work, *runFor, *keep); err != nil {
 		log.Fatal(err)
 	}
 }
 
-func run(url string, publish int, work, runFor time.Duration) error {
+func run(url string, publish int, work, runFor time.Duration, keep bool) error {
+	ctx := context.Background()
 	logger := watermill.NewStdLogger(false, false)
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 
-	// The service's own pool: the library never closes it; the service does, after Run.
-	pool, err := pgxpool.New(context.Background(), url)
+	// The service's own pool: the library never closes it; the service does, at the end.
+	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
 	db := sqlbroker.Pgx(pool)
 
-	// The source table, created at start-up from the exported schema, before the subscription
-	// checks it.
-	ddl, err := sqlbroker.SchemaSQL(topic, "", source)
+	// The tables, created from the exported schema as a migration would, before the
+	// subscriber checks them.
+	ddl, err := sqlbroker.SchemaSQL(topic, "", prefix)
 	if err != nil {
 		return err
 	}
 	if _, err := pool.Exec(ctx, ddl); err != nil {
 		return err
 	}
+	if !keep {
+		defer func() {
+			drop, _ := sqlbroker.DropSQL(topic, "", prefix)
+			if _, err := pool.Exec(ctx, drop); err != nil {
+				log.Printf("dropping the example's tables: %v", err)
+				return
+			}
+			fmt.Println("dropped the example's tables (-keep keeps them for the next run)")
+		}()
+	}
 
-	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "exporter", TablePrefix: source, MaxInFlight: 16}, logger)
+	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{TablePrefix: prefix}, logger)
 	if err != nil {
 		return err
 	}
-	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{TablePrefix: source}, logger)
-	if err != nil {
-		return err
-	}
+	defer pub.Close()
 	for i := range publish {
 		msg := message.NewMessage(watermill.NewUUID(), fmt.Appendf(nil, `{"export":%d}`, i+1))
 		if err := pub.Publish(topic, msg); err != nil {
@@ -78,40 +87,87 @@ func run(url string, publish int, work, runFor time.Duration) error {
 		}
 	}
 
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	const inFlight = 16
+	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{
+		ConsumerGroup: "exporter",
+		TablePrefix:   prefix,
+		MaxInFlight:   inFlight,
+		LeaseTTL:      leaseTTL,
+	}, logger)
 	if err != nil {
 		return err
 	}
-	router.AddNoPublisherHandler("export", topic, sub, func(msg *message.Message) error {
-		select {
-		case <-time.After(work):
-			fmt.Printf("exported %s\n", msg.Payload)
-			return nil
-		case <-msg.Context().Done():
-			return context.Cause(msg.Context())
-		}
-	})
-
-	runCtx := ctx
-	if runFor > 0 {
-		var cancel context.CancelFunc
-		runCtx, cancel = context.WithTimeout(ctx, runFor)
-		defer cancel()
-	}
-	// Cancelling Run's context stops the subscriptions (claims not yet handed to a handler go
-	// back at once) and the Router waits for the handlers in work. Router.Close would instead
-	// call the subscriber's Close, which is the whole shutdown, before the handlers drained.
-	if err := router.Run(runCtx); err != nil {
+	msgs, err := sub.Subscribe(ctx, topic)
+	if err != nil {
 		return err
 	}
 
-	// By hand: the Router has drained; shut the subscriber down and read what it did.
-	shutdownCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	// The handlers: one goroutine per message, at most MaxInFlight at once (the subscriber
+	// hands out no more).
+	var exported, interrupted atomic.Int64
+	var wg sync.WaitGroup
+	for msg := range until(msgs, time.After(runFor)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			select {
+			case <-time.After(work): // the export itself
+				msg.Ack()
+				exported.Add(1)
+			case <-msg.Context().Done():
+				// The shutdown cancelled the delivery; its lease is left to run out.
+				msg.Nack()
+				interrupted.Add(1)
+			}
+		}()
+	}
+
+	// By hand: shut down while exports are in work. Claims not yet handed out go back at once;
+	// the deliveries in work have their contexts cancelled and keep their leases, which run
+	// out, so those messages come back to the group after LeaseTTL.
+	shutdownCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	report, err := sub.Shutdown(shutdownCtx)
-	fmt.Printf("shut down: %+v\n", report)
-	if cerr := pub.Close(); cerr != nil && err == nil {
-		err = cerr
-	}
+	wg.Wait()
+
+	fmt.Printf("published %d, exported %d before the shutdown, %d interrupted by it\n", publish, exported.Load(), interrupted.Load())
+	fmt.Printf("shut down in %v:\n", report.Duration.Round(time.Millisecond))
+	explain("subscriptions stopped", report.Subscriptions, "")
+	explain("claims given back", report.ClaimsReleased, "claimed ahead of the handlers, claimable again at once")
+	explain("deliveries in work", report.DeliveriesInWork, "in handlers when the shutdown came; their contexts were cancelled")
+	explain("leases left to run out", report.LeasesLeft, fmt.Sprintf("their messages return to the group after %v", leaseTTL))
+	explain("statements cancelled", report.QueriesCancelled, "a claim or settlement the shutdown cancelled on the server and waited for")
+	explain("settlements not applied", report.SettlementsNotApplied, "acks or nacks the shutdown could not apply in time")
+	left := publish - int(exported.Load())
+	fmt.Printf("left for the next run: %d messages (%d at once, the rest once their leases run out)\n", left, left-report.LeasesLeft)
 	return err
+}
+
+// explain prints one figure of the report with what it means.
+func explain(what string, n int, meaning string) {
+	if meaning == "" || n == 0 {
+		fmt.Printf("  %-24s %3d\n", what, n)
+		return
+	}
+	fmt.Printf("  %-24s %3d  (%s)\n", what, n, meaning)
+}
+
+// until passes on the messages of in until stop fires or in closes.
+func until(in <-chan *message.Message, stop <-chan time.Time) <-chan *message.Message {
+	out := make(chan *message.Message)
+	go func() {
+		defer close(out)
+		for {
+			select {
+			case msg, ok := <-in:
+				if !ok {
+					return
+				}
+				out <- msg
+			case <-stop:
+				return
+			}
+		}
+	}()
+	return out
 }
