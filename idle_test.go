@@ -69,37 +69,50 @@ func TestIdle_L5_leaseRunOutFoundBySharedPoll(t *testing.T) {
 
 // Advisory mode: a claim whose lock went with its connection is an orphan; the parked
 // subscription takes it over once its delivery is settled (refused), through the shared poll,
-// although it never polls by itself (A2, A3).
+// although on pgx it never polls by itself (A2, A3).
 func TestIdle_A2_orphanFoundBySharedPoll(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	topic := testdb.Topic(t, "")
-	pub := newPublisher(t, pgxDB(t))
-	sub := newSubscriber(t, sqlbroker.SubscriberConfig{
-		ConsumerGroup: "g", ClaimMode: sqlbroker.ClaimAdvisoryLock,
-		PollInterval: time.Hour, IdlePollInterval: 100 * time.Millisecond, LockCheckInterval: 100 * time.Millisecond,
-	})
-	require.NoError(t, sub.SubscribeInitialize(topic))
-	msgs, err := sub.Subscribe(ctx, topic)
-	require.NoError(t, err)
-	publish(t, pub, topic, "x")
-	m := receive(t, msgs, 10*time.Second)
+	for name, db := range map[string]func(*testing.T) sqlbroker.DB{"pgx": pgxDB, "libpq": stdDB} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			topic := testdb.Topic(t, "")
+			pub := newPublisher(t, pgxDB(t))
+			// database/sql cannot listen: its shared poll runs every PollInterval (and writes
+			// the lock counts into its text).
+			poll := time.Hour
+			if name == "libpq" {
+				poll = 200 * time.Millisecond
+			}
+			sub, err := sqlbroker.NewSubscriber(db(t), sqlbroker.SubscriberConfig{
+				ConsumerGroup: "g", ClaimMode: sqlbroker.ClaimAdvisoryLock, InitializeSchema: true,
+				PollInterval: poll, IdlePollInterval: 100 * time.Millisecond, LockCheckInterval: 100 * time.Millisecond,
+			}, nil)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = sub.Close() })
+			require.NoError(t, sub.SubscribeInitialize(topic))
+			msgs, err := sub.Subscribe(ctx, topic)
+			require.NoError(t, err)
+			publish(t, pub, topic, "x")
+			m := receive(t, msgs, 10*time.Second)
 
-	key1 := advisory.Key1(tables(topic).Messages, "g")
-	pid := queryInt(t, `SELECT DISTINCT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND classid = $1::int4::oid`, key1)
-	queryInt(t, `SELECT count(*) FROM (SELECT pg_terminate_backend($1)) x`, pid)
-	select {
-	case <-m.Context().Done():
-	case <-time.After(10 * time.Second):
-		t.Fatal("the delivery was not told that its lock was lost")
+			key1 := advisory.Key1(tables(topic).Messages, "g")
+			pid := queryInt(t, `SELECT DISTINCT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND classid = $1::int4::oid`, key1)
+			queryInt(t, `SELECT count(*) FROM (SELECT pg_terminate_backend($1)) x`, pid)
+			select {
+			case <-m.Context().Done():
+			case <-time.After(10 * time.Second):
+				t.Fatal("the delivery was not told that its lock was lost")
+			}
+			m.Ack() // refused: the lock is gone
+
+			m2 := receive(t, msgs, 10*time.Second)
+			assert.Equal(t, m.UUID, m2.UUID)
+			assert.Equal(t, "2", m2.Metadata.Get(sqlbroker.MetadataAttempt))
+			m2.Ack()
+			testdb.Eventually(t, 10*time.Second, "the redelivery acked", func() bool { return sub.Stats().Acked == 1 })
+		})
 	}
-	m.Ack() // refused: the lock is gone
-
-	m2 := receive(t, msgs, 10*time.Second)
-	assert.Equal(t, m.UUID, m2.UUID)
-	assert.Equal(t, "2", m2.Metadata.Get(sqlbroker.MetadataAttempt))
-	m2.Ack()
-	testdb.Eventually(t, 10*time.Second, "the redelivery acked", func() bool { return sub.Stats().Acked == 1 })
 }
 
 // A thousand subscriptions of one Subscriber (a service with many handlers over many topics),

@@ -290,7 +290,7 @@ func (p *idlePoller) pollOnce() {
 			continue
 		}
 		if c.sql == "" {
-			c.sql, c.adv = chunkSQL(c.slots)
+			c.sql, c.adv = chunkSQL(c.slots, nil)
 		}
 		j := job{sql: c.sql, entries: append([]*pollEntry(nil), c.slots...)}
 		if c.adv {
@@ -300,7 +300,13 @@ func (p *idlePoller) pollOnce() {
 					held[i] = int64(e.sub.adv.locksHeld())
 				}
 			}
-			j.args = []any{held}
+			if p.pool.Driver() == "database/sql" {
+				// lib/pq sends a statement with arguments in two round trips, each a
+				// transaction of its own, and never keeps its plan: the counts go into the text.
+				j.sql, _ = chunkSQL(c.slots, held)
+			} else {
+				j.args = []any{held}
+			}
 		}
 		jobs = append(jobs, j)
 	}
@@ -347,8 +353,9 @@ func (e *pollEntry) wake() {
 // delivered (written by a transaction older than every running one), or, in the advisory mode,
 // more claims held by a lock than the subscription holds itself ($1, by slot), one of which
 // may have lost its holder. The table names are quoted by package offsets and the group id is
-// a number, so the text is built from trusted parts only; free slots read nothing.
-func chunkSQL(slots []*pollEntry) (string, bool) {
+// a number, so the text is built from trusted parts only; free slots read nothing. With held
+// given, the counts are written into the text instead of being read from $1.
+func chunkSQL(slots []*pollEntry, held []int64) (string, bool) {
 	var b strings.Builder
 	adv := false
 	for i, e := range slots {
@@ -367,9 +374,13 @@ func chunkSQL(slots []*pollEntry) (string, bool) {
 		ORDER BY nx."xid", nx."offset" LIMIT 1) IS NOT NULL`, i, t.Claims, t.Messages, t.Groups, g)
 		if e.sub.adv != nil {
 			adv = true
+			n := fmt.Sprintf("($1::bigint[])[%d]", i+1)
+			if held != nil {
+				n = fmt.Sprintf("%d::bigint", held[i])
+			}
 			fmt.Fprintf(&b, `
-	OR (SELECT count(*) FROM (SELECT 1 FROM %[2]s c WHERE c."group_id" = %[3]d AND c."visible_at" = 'infinity'
-		LIMIT ($1::bigint[])[%[1]d] + 1) h) > ($1::bigint[])[%[1]d]`, i+1, t.Claims, g)
+	OR (SELECT count(*) FROM (SELECT 1 FROM %[1]s c WHERE c."group_id" = %[2]d AND c."visible_at" = 'infinity'
+		LIMIT %[3]s + 1) h) > %[3]s`, t.Claims, g, n)
 		}
 	}
 	return b.String(), adv
