@@ -3,6 +3,7 @@ package sqlbroker
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"sync"
 	"time"
@@ -74,7 +75,9 @@ func (sub *subscription) park() (goOn, woken bool) {
 	e := sub.idle.entry
 	e.setParked(true)
 	defer e.setParked(false)
-	safety := time.NewTimer(idleSafetyPolls * sub.cfg.IdlePollInterval)
+	// Spread over ±25%, so that subscriptions that parked together do not claim together.
+	every := idleSafetyPolls * sub.cfg.IdlePollInterval
+	safety := time.NewTimer(every*3/4 + rand.N(every/2+1))
 	defer safety.Stop()
 	due := time.NewTimer(time.Hour)
 	defer due.Stop()
