@@ -42,6 +42,7 @@ const (
 	DefaultMaxInFlight        = 64
 	DefaultBatchSize          = 100
 	DefaultPollInterval       = 100 * time.Millisecond
+	DefaultIdlePollInterval   = time.Second
 	DefaultLeaseTTL           = 30 * time.Second
 	DefaultRetryInterval      = time.Second
 	DefaultCloseTimeout       = 30 * time.Second
@@ -208,11 +209,29 @@ type SubscriberConfig struct {
 	// default, is lowered to MaxInFlight (NewSubscriber logs it at Info when it was given).
 	BatchSize int
 
-	// PollInterval is how long a subscription waits before it looks for messages again after
-	// finding none, and, while it finds messages, how often it also looks for claims due again
-	// that it cannot know of (leases of other consumers that ran out, claims they released).
-	// Defaults to DefaultPollInterval.
+	// PollInterval is, while a subscription finds messages, how often it also looks for
+	// claims due again that it cannot know of (leases of other consumers that ran out, claims
+	// they released, in the advisory mode claims whose consumer is gone); and, while the pool
+	// cannot deliver notifications (database/sql, or pgx while its LISTEN connection is down),
+	// how often the process looks for work for its idle subscriptions. That look is one
+	// statement per pool for up to 64 idle subscriptions, not one per subscription: a service
+	// with 50 handlers on database/sql pays 10 statements a second at the default, whatever
+	// the number of handlers up to 64, and a message published elsewhere reaches it within
+	// about 100 ms. Defaults to DefaultPollInterval.
 	PollInterval time.Duration
+
+	// IdlePollInterval is how often, while the pool's LISTEN connection delivers
+	// notifications (pgx), the process looks for work its idle subscriptions are not told of:
+	// a lease of another consumer that ran out, a message the xmin horizon held back when its
+	// notification came, in the advisory mode a claim whose consumer is gone, a message written
+	// with notifications disabled. A new message wakes a subscription through its
+	// notification at once; an idle subscription otherwise sleeps until one of its own claims
+	// comes due (a nack's backoff, a lost lease) or this shared look finds work for it, and
+	// runs a claim of its own only every 30 IdlePollIntervals besides. The look is one
+	// statement per pool for up to 64 idle subscriptions: a service with 50 handlers pays one
+	// statement a second at the default, where polling each subscription every PollInterval
+	// would cost 500. Defaults to DefaultIdlePollInterval, or PollInterval if that is longer.
+	IdlePollInterval time.Duration
 
 	// LeaseTTL is how long a claim stays with this subscriber without being extended (lease
 	// mode). A consumer that dies leaves its messages for this long. Defaults to
@@ -311,6 +330,9 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.PollInterval == 0 {
 		c.PollInterval = DefaultPollInterval
 	}
+	if c.IdlePollInterval == 0 {
+		c.IdlePollInterval = max(DefaultIdlePollInterval, c.PollInterval)
+	}
 	if c.LeaseTTL == 0 {
 		c.LeaseTTL = DefaultLeaseTTL
 	}
@@ -363,7 +385,7 @@ func (c *SubscriberConfig) validate() error {
 		name string
 		v    time.Duration
 	}{
-		{"PollInterval", c.PollInterval}, {"LeaseTTL", c.LeaseTTL}, {"LeaseRenewInterval", c.LeaseRenewInterval},
+		{"PollInterval", c.PollInterval}, {"IdlePollInterval", c.IdlePollInterval}, {"LeaseTTL", c.LeaseTTL}, {"LeaseRenewInterval", c.LeaseRenewInterval},
 		{"MaxNackBackoff", c.MaxNackBackoff}, {"RetryInterval", c.RetryInterval}, {"CloseTimeout", c.CloseTimeout},
 		{"Retention", c.Retention},
 		{"LockCheckInterval", c.LockCheckInterval}, {"LockWaitTimeout", c.LockWaitTimeout},

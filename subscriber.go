@@ -326,6 +326,7 @@ type subscription struct {
 	dlq *offsets.Store // the dead-letter topic's, with MaxAttempts only (deadletter.go)
 
 	dueAt atomic.Int64 // UnixNano from when a claim of this subscription is due again; 0: none
+	idle  idleState    // parking while there is nothing to claim (idlepoll.go)
 
 	settleCh   chan settlement
 	awaits     sync.WaitGroup // await goroutines; settleCh closes when they are all done
@@ -390,6 +391,7 @@ func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, g
 	}
 	sub.held = make(chan struct{}, s.config.MaxInFlight+sub.prefetch)
 	sub.ready = make(chan *delivery, s.config.MaxInFlight+sub.prefetch)
+	sub.initIdle()
 	sub.woken, sub.unreg = wake.Register(store.T.Messages)
 	sub.unlisten = listen.Acquire(s.db, s.logger)
 	return sub
@@ -512,6 +514,7 @@ func (sub *subscription) claimLoop() {
 			sub.connsClosed.Add(1)
 		}
 	}()
+	defer sub.joinIdlePoll()()
 
 	buf := make([]offsets.Claimed, 0, sub.cfg.BatchSize)
 	idle := sub.cfg.PollInterval // the next pause when a claim finds nothing
@@ -544,7 +547,13 @@ func (sub *subscription) claimLoop() {
 			continue
 		}
 		if len(claimed) == 0 {
-			goOn, woken := sub.wait(sub.untilDue(idle), true)
+			var goOn, woken bool
+			if withDue && idle >= min(sub.cfg.PollInterval, sub.cfg.IdlePollInterval) {
+				// Nothing now, nothing due: sleep until told (idlepoll.go).
+				goOn, woken = sub.park()
+			} else {
+				goOn, woken = sub.wait(sub.untilDue(idle), true)
+			}
 			if !goOn {
 				return
 			}
@@ -607,6 +616,7 @@ func (sub *subscription) markDue(t time.Time) {
 			return
 		}
 		if sub.dueAt.CompareAndSwap(at, v) {
+			sub.pokeDue()
 			return
 		}
 	}

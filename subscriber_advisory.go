@@ -152,7 +152,19 @@ func (a *advisoryState) registered(ds []*delivery) {
 }
 
 // claim is the advisory claim round: orphans first, then claims due again and new messages.
+// A round that finds the lock connection gone while it held no lock (an idle connection is
+// pinged rarely) runs once more at once, on the connection opened again: nothing was lost.
 func (a *advisoryState) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
+	held, gen := a.conn.Held(), a.conn.Gen()
+	out, token, err := a.claimRound(buf, n, due)
+	if err != nil && held == 0 && a.conn.Gen() != gen && a.sub.ctx.Err() == nil {
+		a.sub.logger.Debug("The idle lock connection was gone; claiming again on a new one", watermill.LogFields{"err": err.Error()})
+		return a.claimRound(buf, n, due)
+	}
+	return out, token, err
+}
+
+func (a *advisoryState) claimRound(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
 	sub := a.sub
 	if err := sub.ctx.Err(); err != nil {
 		return buf[:0], 0, err // stopping: claim nothing only to give it back

@@ -45,6 +45,7 @@ var ErrPoolTooSmall = dbx.ErrPoolTooSmall
 const (
 	DefaultLockTimeout      = 2 * time.Second
 	DefaultStatementTimeout = 30 * time.Second
+	DefaultIdleChecks       = 30
 )
 
 // clientTimeoutAfter is how long past its StatementTimeout a statement may run before the
@@ -65,9 +66,13 @@ const CloseGrace = time.Second
 type Options struct {
 	// Key1 is the first half of every key this Conn locks (see Key1).
 	Key1 int32
-	// CheckInterval is how often an idle connection is pinged, and how often a lost one is
-	// opened again.
+	// CheckInterval is how often a connection that holds locks is pinged when no other
+	// statement succeeded on it meanwhile, and how often a lost one is opened again.
 	CheckInterval time.Duration
+	// IdleCheckInterval is how often a connection that holds no lock is pinged: its loss
+	// loses nothing, and the next statement on it opens it again. Defaults to
+	// DefaultIdleChecks CheckIntervals.
+	IdleCheckInterval time.Duration
 	// LockTimeout is the session's lock_timeout: how long a statement waits for a table or
 	// row lock another session holds before the server ends it. Defaults to
 	// DefaultLockTimeout.
@@ -113,6 +118,8 @@ type Conn struct {
 	reconnects int
 
 	closing chan struct{} // closed when CloseContext starts: Run returns at once
+
+	lastOK atomic.Int64 // UnixNano of the last statement that succeeded on the connection
 }
 
 // Open opens the lock connection and checks that it is a session connection of its own (A5).
@@ -123,6 +130,9 @@ func Open(ctx context.Context, pool dbx.Pool, opt Options) (*Conn, error) {
 	}
 	if opt.CheckInterval <= 0 {
 		opt.CheckInterval = time.Second
+	}
+	if opt.IdleCheckInterval <= 0 {
+		opt.IdleCheckInterval = DefaultIdleChecks * opt.CheckInterval
 	}
 	if opt.LockTimeout <= 0 {
 		opt.LockTimeout = DefaultLockTimeout
@@ -137,6 +147,7 @@ func Open(ctx context.Context, pool dbx.Pool, opt Options) (*Conn, error) {
 		return nil, err
 	}
 	c.conn = conn
+	c.lastOK.Store(time.Now().UnixNano())
 	return c, nil
 }
 
@@ -272,6 +283,11 @@ func (c *Conn) current() (dbx.Conn, uint64, error) {
 func (c *Conn) statement(stop context.Context, conn dbx.Conn, fn func(ctx context.Context) error) (cancelled bool, err error) {
 	ctx, cancel := c.stmtContext()
 	defer cancel()
+	defer func() {
+		if err == nil {
+			c.lastOK.Store(time.Now().UnixNano())
+		}
+	}()
 	if stop == nil {
 		return false, fn(ctx)
 	}
@@ -637,6 +653,7 @@ func (c *Conn) ensure() error {
 	c.conn = conn
 	c.reconnects++
 	c.mu.Unlock()
+	c.lastOK.Store(time.Now().UnixNano())
 	c.opt.Logger.Info("Lock connection opened again", watermill.LogFields{"key1": c.opt.Key1})
 	return nil
 }
@@ -664,7 +681,26 @@ func (c *Conn) Check() error {
 	return err
 }
 
-// Run checks the connection every CheckInterval until stop is closed or the Conn is closed.
+// needsCheck says whether Run pings now: a lost connection is opened again at every
+// CheckInterval; one that holds locks is pinged unless a statement succeeded on it within the
+// last half CheckInterval (a busy connection needs no ping); one that holds none only every
+// IdleCheckInterval.
+func (c *Conn) needsCheck() bool {
+	c.mu.Lock()
+	down, held := c.conn == nil, len(c.held)
+	c.mu.Unlock()
+	if down {
+		return true
+	}
+	since := time.Since(time.Unix(0, c.lastOK.Load()))
+	if held == 0 {
+		return since >= c.opt.IdleCheckInterval-c.opt.CheckInterval/2
+	}
+	return since >= c.opt.CheckInterval/2
+}
+
+// Run checks the connection (see needsCheck) every CheckInterval until stop is closed or the
+// Conn is closed.
 func (c *Conn) Run(stop <-chan struct{}) {
 	t := time.NewTicker(c.opt.CheckInterval)
 	defer t.Stop()
@@ -679,8 +715,11 @@ func (c *Conn) Run(stop <-chan struct{}) {
 		c.mu.Lock()
 		closed := c.closed
 		c.mu.Unlock()
-		if closed {
-			return
+		if closed || !c.needsCheck() {
+			if closed {
+				return
+			}
+			continue
 		}
 		if err := c.Check(); err != nil && !errors.Is(err, ErrClosed) && !errors.Is(err, ErrStopped) {
 			c.opt.Logger.Debug("Lock connection check failed", watermill.LogFields{"err": err.Error()})

@@ -53,7 +53,9 @@
 // once: PostgreSQL then frees every lock it held, and the Conn reports those keys as lost (the
 // owner cancels the deliveries and refuses their settlements), then reconnects. A periodic
 // ping finds a connection that died while idle (pg_terminate_backend, a server restart, a
-// network cut). The session has idle_session_timeout and idle_in_transaction_session_timeout
+// network cut): every CheckInterval while it holds locks and no other statement succeeded on
+// it meanwhile, every IdleCheckInterval while it holds none (its loss then loses nothing, and
+// the next statement opens it again). The session has idle_session_timeout and idle_in_transaction_session_timeout
 // off and TCP keepalives on at both ends (pgx: the dialer's keepalive is set explicitly;
 // lib/pq dials with Go's defaults, which keep TCP keepalives on; the server side is set per
 // session with tcp_keepalives_idle and friends).

@@ -30,6 +30,9 @@ type bench struct {
 	topics map[contender][]string
 	plans  []string
 	traces []string
+
+	base     float64 // scenarios 8, 9: the database's transactions per second with nothing subscribed
+	baseDone bool
 }
 
 func newBench(ctx context.Context, cfg *config) (*bench, error) {
@@ -136,13 +139,16 @@ func memTotal() string {
 type scenarioFunc func(ctx context.Context, b *bench, c contender) error
 
 var scenarioFuncs = map[int]scenarioFunc{
-	1: scenarioDrain,
-	2: scenarioSlow,
-	3: scenarioInstances,
-	4: scenarioLatency,
-	5: scenarioPublish,
-	6: scenarioMemory,
-	7: scenarioRaw,
+	1:  scenarioDrain,
+	2:  scenarioSlow,
+	3:  scenarioInstances,
+	4:  scenarioLatency,
+	5:  scenarioPublish,
+	6:  scenarioMemory,
+	7:  scenarioRaw,
+	8:  scenarioIdle,
+	9:  scenarioMany,
+	10: scenarioGroup,
 }
 
 // runScenarios runs every selected scenario for every contender. A contender's failure is

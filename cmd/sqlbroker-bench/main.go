@@ -19,6 +19,15 @@
 //  6. memory:    peak heap while a large backlog drains, and EXPLAIN of the claim at that size
 //  7. raw:       the library's own insert and claim+ack statements in a tight loop, without
 //     Watermill or the library's goroutines
+//  8. idle:      transactions per second that idle subscriptions (one topic each, nothing
+//     published) cost the database, per subscription, through pgx and database/sql
+//  9. many:      a thousand idle subscriptions in one process: connections, goroutines, heap
+//     and transactions per second
+//  10. group:    one consumer group with 1, 2, 4 and 8 consumers (a pool each), no-op
+//     handler: messages and claims per second
+//
+// Scenarios 1-7 run by default; 8-10 when named. Scenarios 8 and 9 read the transaction count
+// of the whole database (pg_stat_database): point -url at a database nothing else uses.
 //
 // Every topic gets a unique name and every table created is dropped at the end.
 package main
@@ -63,10 +72,19 @@ type config struct {
 	memoryCap       time.Duration // 6
 	rawN            int           // 7
 	rawSingleN      int           // 7
+	idleSubs        int           // 8
+	idleLockSubs    int           // 8, 9
+	idleWindow      time.Duration // 8, 9
+	idleSettle      time.Duration // 8, 9
+	manySubs        int           // 9
+	groupBacklog    int           // 10
+	groupWindow     time.Duration // 10
+	groupPool       int           // 10
 }
 
 var scenarioNames = map[string]int{
 	"drain": 1, "slow": 2, "instances": 3, "latency": 4, "publish": 5, "memory": 6, "raw": 7,
+	"idle": 8, "many": 9, "group": 10,
 }
 
 func main() {
@@ -79,7 +97,7 @@ func main() {
 func parseFlags() (*config, error) {
 	c := &config{}
 	quick := flag.Bool("quick", false, "CI-sized run: small backlogs and short durations (explicit size flags still win)")
-	scen := flag.String("scenarios", "1,2,3,4,5,6,7", "scenarios to run, by number or name (drain,slow,instances,latency,publish,memory,raw)")
+	scen := flag.String("scenarios", "1,2,3,4,5,6,7", "scenarios to run, by number or name (drain,slow,instances,latency,publish,memory,raw,idle,many,group)")
 	cont := flag.String("contenders", "lease,advisory,watermill-sql", "contenders to run")
 	flag.StringVar(&c.url, "url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL")
 	flag.IntVar(&c.poolSize, "pool", 20, "connections in each contender's pool")
@@ -106,6 +124,14 @@ func parseFlags() (*config, error) {
 	flag.BoolVar(&c.explain, "explain", true, "scenario 6: log the plan of the library's claim statement at full size (auto_explain)")
 	rawN := flag.Int("raw-n", 100_000, "scenario 7: messages inserted in batches of 100, then claimed and acked")
 	rawSingleN := flag.Int("raw-single-n", 50_000, "scenario 7: messages inserted one per statement")
+	flag.IntVar(&c.idleSubs, "idle-subs", 100, "scenario 8: idle subscriptions, one topic each")
+	flag.IntVar(&c.idleLockSubs, "idle-lock-subs", 40, "scenarios 8, 9: idle subscriptions of the advisory mode (each holds a connection)")
+	flag.DurationVar(&c.idleWindow, "idle-window", 10*time.Second, "scenarios 8, 9: window over which transactions are counted")
+	flag.DurationVar(&c.idleSettle, "idle-settle", 15*time.Second, "scenarios 8, 9: wait after subscribing before counting (a backend reports the transactions it ran before going idle up to 10 s late)")
+	flag.IntVar(&c.manySubs, "many-subs", 1000, "scenario 9: idle subscriptions in one process, one topic each")
+	flag.IntVar(&c.groupBacklog, "group-backlog", 300_000, "scenario 10: backlog published before each run")
+	flag.DurationVar(&c.groupWindow, "group-window", 10*time.Second, "scenario 10: timed window")
+	flag.IntVar(&c.groupPool, "group-pool", 4, "scenario 10: connections in each consumer's pool")
 	flag.Parse()
 
 	set := map[string]bool{}
@@ -145,8 +171,8 @@ func parseFlags() (*config, error) {
 			continue
 		}
 		var n int
-		if _, err := fmt.Sscanf(s, "%d", &n); err != nil || n < 1 || n > 7 {
-			return nil, fmt.Errorf("-scenarios: %q is not a scenario (1-7 or drain,slow,instances,latency,publish,memory,raw)", s)
+		if _, err := fmt.Sscanf(s, "%d", &n); err != nil || n < 1 || n > 10 {
+			return nil, fmt.Errorf("-scenarios: %q is not a scenario (1-10 or drain,slow,instances,latency,publish,memory,raw,idle,many,group)", s)
 		}
 		c.scenarios[n] = true
 	}
@@ -166,13 +192,16 @@ func parseFlags() (*config, error) {
 		"instances-inflight": c.instInFlight, "latency-rate": c.latencyRate, "publish-n": c.publishBatchN,
 		"publish-single-n": c.publishSingleN, "publish-workers": c.publishWorkers, "memory-n": c.memoryN,
 		"raw-n": c.rawN, "raw-single-n": c.rawSingleN,
+		"idle-subs": c.idleSubs, "idle-lock-subs": c.idleLockSubs, "many-subs": c.manySubs,
+		"group-backlog": c.groupBacklog, "group-pool": c.groupPool,
 	}
 	for name, v := range positive {
 		if v <= 0 {
 			return nil, fmt.Errorf("-%s (%d) must be positive", name, v)
 		}
 	}
-	for name, v := range map[string]time.Duration{"timeout": c.timeout, "slow-duration": c.slowDuration, "latency-duration": c.latencyDuration, "memory-cap": c.memoryCap} {
+	for name, v := range map[string]time.Duration{"timeout": c.timeout, "slow-duration": c.slowDuration, "latency-duration": c.latencyDuration, "memory-cap": c.memoryCap,
+		"idle-window": c.idleWindow, "group-window": c.groupWindow} {
 		if v <= 0 {
 			return nil, fmt.Errorf("-%s (%s) must be positive", name, v)
 		}

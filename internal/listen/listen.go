@@ -1,7 +1,8 @@
 // Package listen keeps one LISTEN connection per pool in a process and turns the library's
-// NOTIFY wake-ups into in-process wake signals. It is a latency aid only: subscriptions keep
-// polling, so a lost notification, a dropped listening connection or a pool that cannot
-// listen delays delivery by at most one poll interval.
+// NOTIFY wake-ups into in-process wake signals. While the connection listens (Listening),
+// idle subscriptions rely on it and the process's shared poll looks for work rarely; while it
+// does not (a pool that cannot listen, a connection lost and not yet back), the shared poll
+// runs every poll interval, so delivery is delayed by at most that much.
 package listen
 
 import (
@@ -24,6 +25,7 @@ type listener struct {
 	cancel    context.CancelFunc
 	done      chan struct{}
 	connected atomic.Bool // a connection of the listener is open (counted as closed on release)
+	listening atomic.Bool // its LISTEN is in place: every NOTIFY of the library reaches the process
 }
 
 var (
@@ -80,9 +82,11 @@ func (l *listener) run(ctx context.Context, pool dbx.Listenable, logger watermil
 			l.connected.Store(true)
 		}, func() {
 			// (Re)connected: notifications sent meanwhile were missed; wake everyone.
+			l.listening.Store(true)
 			wake.NotifyAll()
 			backoff = 100 * time.Millisecond
 		}, wake.Notify)
+		l.listening.Store(false)
 		if ctx.Err() != nil {
 			return // l.connected stays as it was: the connection was open until now
 		}
@@ -95,4 +99,18 @@ func (l *listener) run(ctx context.Context, pool dbx.Listenable, logger watermil
 		}
 		backoff = min(backoff*2, 5*time.Second)
 	}
+}
+
+// Listening reports whether pool's LISTEN connection in this process is up with its LISTEN in
+// place, so that every NOTIFY of the library wakes the process's subscriptions. It is false
+// for a pool that cannot listen (database/sql) and for one nobody acquired.
+func Listening(pool dbx.Pool) bool {
+	lp, ok := pool.(dbx.Listenable)
+	if !ok {
+		return false
+	}
+	mu.Lock()
+	l := listeners[lp.ListenKey()]
+	mu.Unlock()
+	return l != nil && l.listening.Load()
 }
