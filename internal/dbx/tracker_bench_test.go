@@ -41,6 +41,18 @@ func BenchmarkTracker(b *testing.B) {
 			}
 		})
 	}
+	b.Run("Run/cancellable-ctx", func(b *testing.B) {
+		tr := dbx.NewTracker(pool)
+		defer tr.Stop(ctx)
+		cctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		b.ReportAllocs()
+		for b.Loop() {
+			if err := tr.Run(cctx, "select", 30*time.Second, selectOne); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 	b.Run("acquire+release", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
