@@ -104,11 +104,11 @@ type PublisherConfig struct {
 	// offsets.MaxRowsPerStatement(). Defaults to DefaultMaxGroupRows.
 	MaxGroupRows int
 
-	// GroupTimeout bounds a grouped statement. It runs under a context of its own, not
-	// cancelled by the contexts of the calls in it (one caller giving up must not fail the
-	// others), so this is what stops a statement stuck on a lock: past it, the statement is
-	// cancelled on the server and its calls fail, nothing written. Defaults to
-	// DefaultGroupTimeout.
+	// GroupTimeout bounds a grouped statement, the wait for a pool connection included. It
+	// runs under a context of its own, not cancelled by the contexts of the calls in it (one
+	// caller giving up must not fail the others), so this is what stops a statement stuck on
+	// a lock: past it, the statement is cancelled on the server and its calls fail, nothing
+	// written. Defaults to DefaultGroupTimeout.
 	GroupTimeout time.Duration
 
 	// CloseTimeout bounds Close: how long it waits for the publishes already running to

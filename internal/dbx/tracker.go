@@ -3,6 +3,7 @@ package dbx
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -26,31 +27,58 @@ var ErrStopped = errors.New("dbx: stopped: no statement starts any more")
 // its time limit passes, or when the tracker stops, a cancel request is sent for its backend,
 // and Run returns only once the server has ended the statement (or CancelWait has passed
 // since the tracker's Stop gave up waiting).
+//
+// A call costs about what the pool's own Exec costs: its bookkeeping is reused from call to
+// call, it arms no timer without a time limit, and it watches the caller's context only when
+// that context can end. Stop finds every call in a list kept for it, rather than each call
+// watching the tracker.
 type Tracker struct {
 	pool Pool
 
 	mu      sync.Mutex
 	stopped bool
-	calls   map[*call]struct{}
+	calls   []*call // every call between its start and its return; each knows its index
 	wg      sync.WaitGroup
-
-	stopCtx  context.Context // cancelled by Stop: acquires end, running statements are cancelled
-	stopFunc context.CancelFunc
+	stopCh  chan struct{} // closed by Stop
+	free    sync.Pool     // *call, reused once a call has ended untouched by any trigger
 
 	cancelled sync.Map     // kind -> *atomic.Int64: statements the server ended on a cancel of ours
 	closed    atomic.Int64 // connections closed instead of handed back
 }
 
+// Phases of a call.
+const (
+	phaseAcquire = iota // waiting for a connection: a trigger ends the wait
+	phaseRun            // running fn: a trigger sends the server a cancel
+	phaseDone           // fn returned: triggers do nothing
+)
+
+// call is one Run from its start to its return.
 type call struct {
-	kind  string
-	conn  Conn
-	abort context.CancelFunc // ends the statement's own context: the driver gives up on it
+	t   *Tracker
+	idx int // in t.calls, guarded by t.mu
+
+	kind   string
+	ctx    context.Context
+	conn   Conn
+	cancel context.CancelFunc // ends the call's own context: the acquire, or the driver gives up
+
+	timer    *time.Timer // the time limit, then the last resort; made once per call struct
+	onCtxFn  func()      // c.onCtx, bound once
+	armed    bool        // timer set for this call
+	ctxStop  func() bool // the AfterFunc of the caller's context, when it can end
+	sending  sync.WaitGroup
+	sent     atomic.Bool // the cancel request went out
+	closes   atomic.Bool // the driver closes the connection after it
+	mu       sync.Mutex  // guards phase, reason, lastResort
+	phase    int
+	reason   error // why the call was triggered: ctx's cause, ErrLimit or ErrStopped
+	resorted bool  // the timer is past the limit: its next firing is the last resort
 }
 
 // NewTracker returns a Tracker of statements on pool.
 func NewTracker(pool Pool) *Tracker {
-	ctx, cancel := context.WithCancel(context.Background())
-	return &Tracker{pool: pool, calls: map[*call]struct{}{}, stopCtx: ctx, stopFunc: cancel}
+	return &Tracker{pool: pool, stopCh: make(chan struct{})}
 }
 
 // Cause of a statement cancelled by Run, as its error wraps it.
@@ -59,138 +87,229 @@ var (
 	ErrLimit = errors.New("dbx: the statement ran past its time limit and was cancelled on the server")
 )
 
+// errAcquireLimit is the error of a call whose time limit passed before it had a connection.
+var errAcquireLimit = fmt.Errorf("dbx: no connection within the statement's time limit: %w", context.DeadlineExceeded)
+
 // Run takes a connection from the pool and runs fn on it, with a context that keeps ctx's
 // values but not its cancellation. The acquire is bounded by ctx, by limit and by Stop. When
 // ctx ends, limit passes or the tracker stops while fn runs, a cancel request is sent for the
 // connection's backend and Run waits for fn to return the server's answer; the error then
 // wraps the reason (ctx's cause, ErrLimit or ErrStopped) and the server's error. fn must read
-// every row it asks for before it returns. kind names the statement in Stop's counts. A limit
-// of 0 or less sets no time limit: ctx and Stop bound the statement. q is the connection
-// itself: fn may run a transaction on it (q is a Beginner too); a cancel reaches whichever
-// of its statements is running, and a statement that starts after the cancel was sent is not
-// cancelled again.
+// every row it asks for before it returns. kind names the statement in Stop's counts. The
+// limit counts from Run's start, the wait for a connection included; a limit of 0 or less
+// sets no time limit: ctx and Stop bound the statement. q is the connection itself: fn may
+// run a transaction on it (q is a Beginner too); a cancel reaches whichever of its statements
+// is running, and a statement that starts after the cancel was sent is not cancelled again.
 func (t *Tracker) Run(ctx context.Context, kind string, limit time.Duration, fn func(ctx context.Context, q Querier) error) error {
-	return t.RunConn(ctx, kind, limit, func(ctx context.Context, c Conn) error { return fn(ctx, c) })
+	return t.run(ctx, kind, limit, fn, nil)
 }
 
 // RunConn is Run for an fn that needs the connection itself (its backend's PID); fn must not
 // Release, Destroy or Cancel it.
 func (t *Tracker) RunConn(ctx context.Context, kind string, limit time.Duration, fn func(ctx context.Context, c Conn) error) error {
+	return t.run(ctx, kind, limit, nil, fn)
+}
+
+func (t *Tracker) run(ctx context.Context, kind string, limit time.Duration, fnq func(context.Context, Querier) error, fnc func(context.Context, Conn) error) error {
+	c, _ := t.free.Get().(*call)
+	if c == nil {
+		c = &call{t: t}
+		c.onCtxFn = c.onCtx
+	}
+	c.kind, c.ctx, c.phase = kind, ctx, phaseAcquire
+
+	// One context serves the acquire and the statement: it keeps ctx's values, and only the
+	// call ends it (a trigger while it waits for a connection, or the last resort).
+	var cctx context.Context
+	if ctx.Done() == nil {
+		cctx, c.cancel = context.WithCancel(ctx)
+	} else {
+		cctx, c.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	}
+
 	t.mu.Lock()
 	if t.stopped {
 		t.mu.Unlock()
+		c.cancel()
+		t.recycle(c)
 		return ErrStopped
 	}
+	if err := ctx.Err(); err != nil {
+		t.mu.Unlock()
+		c.cancel()
+		t.recycle(c)
+		return err
+	}
+	c.idx = len(t.calls)
+	t.calls = append(t.calls, c)
 	t.wg.Add(1)
 	t.mu.Unlock()
-	defer t.wg.Done()
 
-	actx, acancel := context.WithCancel(ctx)
 	if limit > 0 {
-		actx, acancel = context.WithTimeoutCause(ctx, limit, ErrLimit)
-	}
-	stopAcq := context.AfterFunc(t.stopCtx, func() { acancel() })
-	conn, err := t.pool.Acquire(actx)
-	stopAcq()
-	acancel()
-	if err != nil {
-		if t.stopCtx.Err() != nil {
-			return ErrStopped
+		c.armed = true
+		if c.timer == nil {
+			c.mu.Lock() // onTimer reads it under c.mu: it may fire before this returns
+			c.timer = time.AfterFunc(limit, c.onTimer)
+			c.mu.Unlock()
+		} else {
+			c.timer.Reset(limit)
 		}
-		return err
+	}
+	if ctx.Done() != nil {
+		c.ctxStop = context.AfterFunc(ctx, c.onCtxFn)
 	}
 
-	// The last resort: a server that answers neither the statement nor its cancel (a dead
-	// network). The statement's context then ends and the driver closes the connection.
-	qctx, qcancel := context.WithCancel(context.WithoutCancel(ctx))
-	if limit > 0 {
-		qctx, qcancel = context.WithTimeout(context.WithoutCancel(ctx), limit+CleanupTimeout)
+	conn, err := t.pool.Acquire(cctx)
+	c.mu.Lock()
+	reason := c.reason
+	if reason == nil && err == nil {
+		c.conn = conn
+		c.phase = phaseRun
+	} else {
+		c.phase = phaseDone
 	}
-	defer qcancel()
-	c := &call{kind: kind, conn: conn, abort: qcancel}
-	t.mu.Lock()
-	if t.stopped {
-		t.mu.Unlock()
-		conn.Release()
-		return ErrStopped
-	}
-	t.calls[c] = struct{}{}
-	t.mu.Unlock()
-	defer func() {
-		t.mu.Lock()
-		delete(t.calls, c)
-		t.mu.Unlock()
-	}()
-
-	var (
-		once       sync.Once
-		reason     atomic.Value // error
-		cancelSent atomic.Bool
-		connCloses atomic.Bool
-		sending    sync.WaitGroup
-	)
-	trigger := func(why error) {
-		once.Do(func() {
-			reason.Store(why)
-			sending.Add(1)
-			go func() {
-				defer sending.Done()
-				cctx, ccancel := CleanupContext(context.Background())
-				defer ccancel()
-				closes, err := conn.Cancel(cctx)
-				if err == nil {
-					cancelSent.Store(true)
-					connCloses.Store(closes)
-				}
-			}()
-		})
-	}
-	stops := []func() bool{
-		context.AfterFunc(ctx, func() { trigger(context.Cause(ctx)) }),
-		context.AfterFunc(t.stopCtx, func() { trigger(ErrStopped) }),
-	}
-	if limit > 0 {
-		timer := time.AfterFunc(limit, func() { trigger(ErrLimit) })
-		stops = append(stops, timer.Stop)
+	c.mu.Unlock()
+	switch {
+	case reason != nil:
+		// Triggered while it waited: whatever the acquire returned, the call ends here.
+		if err == nil {
+			conn.Release()
+		}
+		switch {
+		case reason == ErrStopped:
+			err = ErrStopped
+		case reason == ErrLimit:
+			err = errAcquireLimit
+		default:
+			err = ctx.Err()
+		}
+		return t.finish(c, err)
+	case err != nil:
+		return t.finish(c, err)
 	}
 
-	err = fn(qctx, conn)
-	for _, stop := range stops {
-		stop()
+	// fn's context ends only as the last resort, for a server that answers neither the
+	// statement nor its cancel (a dead network): CleanupTimeout past the limit, or when Stop
+	// gives up on it. The driver then closes the connection.
+	if fnq != nil {
+		err = fnq(cctx, conn)
+	} else {
+		err = fnc(cctx, conn)
 	}
-	triggered := false
-	once.Do(func() {}) // no trigger from now on
-	if r := reason.Load(); r != nil {
-		triggered = true
-	}
-	sending.Wait()
+
+	c.mu.Lock()
+	c.phase = phaseDone
+	reason = c.reason
+	c.mu.Unlock()
+	c.sending.Wait()
 
 	switch {
-	case !triggered:
-		if err != nil && qctx.Err() != nil {
+	case reason == nil:
+		if err != nil && cctx.Err() != nil {
 			t.destroy(conn)
 		} else {
 			conn.Release()
 		}
-		return err
 	case err != nil && SQLState(err) == CodeQueryCanceled:
 		t.count(kind)
-		if connCloses.Load() {
+		if c.closes.Load() {
 			t.destroy(conn)
 		} else {
 			conn.Release()
 		}
-		return errors.Join(reason.Load().(error), err)
-	case !cancelSent.Load():
+		err = errors.Join(reason, err)
+	case !c.sent.Load():
 		// The cancel could not be sent: the statement ended on its own.
 		t.destroy(conn)
-		return err
 	default:
 		// The statement ended before the cancel arrived: a cancel may still be pending for
 		// the connection's next statement, so the connection goes.
 		t.destroy(conn)
-		return err
 	}
+	return t.finish(c, err)
+}
+
+// finish takes c out of the tracker's list and stops its watchers; c is reused when none of
+// them fired (a watcher that fired may still hold it).
+func (t *Tracker) finish(c *call, err error) error {
+	untouched := c.reason == nil // phaseDone: nothing sets it any more
+	if c.armed {
+		untouched = c.timer.Stop() && untouched
+	}
+	if c.ctxStop != nil {
+		untouched = c.ctxStop() && untouched
+	}
+	c.cancel()
+
+	t.mu.Lock()
+	last := t.calls[len(t.calls)-1]
+	last.idx = c.idx
+	t.calls[c.idx] = last
+	t.calls[len(t.calls)-1] = nil
+	t.calls = t.calls[:len(t.calls)-1]
+	t.mu.Unlock()
+	t.wg.Done()
+
+	if untouched {
+		t.recycle(c)
+	}
+	return err
+}
+
+func (t *Tracker) recycle(c *call) {
+	c.ctx, c.conn, c.cancel, c.ctxStop, c.armed = nil, nil, nil, nil, false
+	c.reason, c.resorted = nil, false
+	c.sent.Store(false)
+	c.closes.Store(false)
+	t.free.Put(c)
+}
+
+func (c *call) onCtx() { c.trigger(context.Cause(c.ctx)) }
+
+// onTimer fires at the call's limit, and again CleanupTimeout later (the last resort).
+func (c *call) onTimer() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.phase == phaseDone {
+		return
+	}
+	if c.resorted {
+		c.cancel()
+		return
+	}
+	c.resorted = true
+	c.timer.Reset(CleanupTimeout)
+	c.triggerLocked(ErrLimit)
+}
+
+// trigger ends c's wait for a connection, or sends the server a cancel of its statement; the
+// first reason is the one its error gives.
+func (c *call) trigger(why error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.triggerLocked(why)
+}
+
+func (c *call) triggerLocked(why error) {
+	if c.reason != nil || c.phase == phaseDone {
+		return
+	}
+	c.reason = why
+	if c.phase == phaseAcquire {
+		c.cancel()
+		return
+	}
+	c.sending.Add(1)
+	go func(conn Conn) {
+		defer c.sending.Done()
+		cctx, ccancel := CleanupContext(context.Background())
+		defer ccancel()
+		closes, err := conn.Cancel(cctx)
+		if err == nil {
+			c.sent.Store(true)
+			c.closes.Store(closes)
+		}
+	}(c.conn)
 }
 
 func (t *Tracker) destroy(c Conn) {
@@ -215,7 +334,7 @@ func (t *Tracker) Cancelled() map[string]int {
 
 // Stopping is closed once Stop has been called: loops that pause between statements wait on
 // it too, since every later Run returns ErrStopped.
-func (t *Tracker) Stopping() <-chan struct{} { return t.stopCtx.Done() }
+func (t *Tracker) Stopping() <-chan struct{} { return t.stopCh }
 
 func (t *Tracker) count(kind string) {
 	v, _ := t.cancelled.LoadOrStore(kind, new(atomic.Int64))
@@ -226,7 +345,15 @@ func (t *Tracker) count(kind string) {
 func (t *Tracker) Running() int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return len(t.calls)
+	n := 0
+	for _, c := range t.calls {
+		c.mu.Lock()
+		if c.phase == phaseRun {
+			n++
+		}
+		c.mu.Unlock()
+	}
+	return n
 }
 
 // StopResult says what Stop did.
@@ -245,9 +372,14 @@ type StopResult struct {
 // CancelWait more for the server's answers. Later calls only wait again.
 func (t *Tracker) Stop(ctx context.Context) StopResult {
 	t.mu.Lock()
-	t.stopped = true
+	if !t.stopped {
+		t.stopped = true
+		close(t.stopCh)
+	}
+	for _, c := range t.calls {
+		c.trigger(ErrStopped)
+	}
 	t.mu.Unlock()
-	t.stopFunc()
 
 	all := make(chan struct{})
 	go func() {
@@ -264,9 +396,13 @@ func (t *Tracker) Stop(ctx context.Context) StopResult {
 	}
 	res := StopResult{Cancelled: map[string]int{}, Abandoned: map[string]int{}}
 	t.mu.Lock()
-	for c := range t.calls {
-		res.Abandoned[c.kind]++
-		c.abort()
+	for _, c := range t.calls {
+		c.mu.Lock()
+		if c.phase == phaseRun {
+			res.Abandoned[c.kind]++
+		}
+		c.cancel()
+		c.mu.Unlock()
 	}
 	t.mu.Unlock()
 	if len(res.Abandoned) > 0 {
