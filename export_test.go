@@ -29,3 +29,11 @@ func BrokerPublishers(b *Broker) int {
 	defer b.mu.Unlock()
 	return len(b.publishers)
 }
+
+// PublisherRunning is the number of statements of p running now.
+func PublisherRunning(p *Publisher) int {
+	if p.tracker == nil {
+		return 0
+	}
+	return p.tracker.Running()
+}
