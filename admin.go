@@ -105,6 +105,9 @@ func NewAdmin(db DB, config AdminConfig) (*Admin, error) {
 	if db.pool == nil {
 		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx or sqlbroker.StdSQL"}
 	}
+	if db.sqlite() {
+		return nil, &ConfigError{Field: "db", Value: "SQLite", Reason: "the Admin reads PostgreSQL's catalog and is PostgreSQL's only: on SQLite, read the topic's tables directly"}
+	}
 	config.setDefaults()
 	if err := config.validate(); err != nil {
 		return nil, err

@@ -3,6 +3,7 @@ package sqlbroker
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"net/url"
 	"strings"
@@ -14,7 +15,6 @@ import (
 	_ "github.com/lib/pq" // the database/sql driver behind libpq+postgres:// URLs
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 // Defaults of BrokerConfig.
@@ -83,10 +83,23 @@ type Broker struct {
 	err         error
 }
 
-// Open builds a Broker on the PostgreSQL database rawURL names. The scheme picks the driver:
+// Open builds a Broker on the database rawURL names. The scheme picks the driver:
 // postgres:// or postgresql:// (pgx/v5), pgx+postgres:// (the same), libpq+postgres://
-// (database/sql with lib/pq). Open checks the URL and connects to nothing; errors never
-// contain the password.
+// (database/sql with lib/pq), sqlite: (SQLite through database/sql, see below). Open checks
+// the URL and connects to nothing; errors never contain the password.
+//
+// A sqlite: URL names a file, relative ("sqlite:exports.db?mode=rwc") or absolute
+// ("sqlite:/var/lib/app/queue.db"), with SQLite's URI parameters after "?" (mode=rwc creates
+// the file; mode=rw needs it to exist), or "sqlite::memory:", an in-memory database that
+// lives as long as the broker (for tests). The program must import the driver,
+// _ "modernc.org/sqlite" (pure Go, no cgo); without it Open returns a ConfigError that says
+// so. Every connection of the broker's pool is set to journal_mode=WAL (readers and the
+// writer do not block each other), busy_timeout=5000 (a writer waits up to 5 s for the write
+// lock instead of failing) and synchronous=NORMAL: in WAL mode a commit then waits for no
+// disk flush, which survives a crash of the program and loses at most the last commits
+// before a power cut or an operating-system crash; append _pragma=synchronous(FULL) to the
+// URL to flush every commit. Every transaction of the library begins with BEGIN IMMEDIATE.
+// SQLite runs the lease claim mode only.
 func Open(rawURL string, config BrokerConfig, logger watermill.LoggerAdapter) (*Broker, error) {
 	config.setDefaults()
 	if err := config.validate(); err != nil {
@@ -94,6 +107,9 @@ func Open(rawURL string, config BrokerConfig, logger watermill.LoggerAdapter) (*
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
+	}
+	if rest, ok := strings.CutPrefix(rawURL, "sqlite:"); ok {
+		return openSQLite(rest, config, logger)
 	}
 	driver, connURL, display, err := parseBrokerURL(rawURL)
 	if err != nil {
@@ -125,6 +141,44 @@ func Open(rawURL string, config BrokerConfig, logger watermill.LoggerAdapter) (*
 		b.pool = dbx.NewStdPool(db)
 	}
 	return b, nil
+}
+
+// openSQLite builds a Broker on the SQLite database of a sqlite: URL (rest is what follows
+// "sqlite:").
+func openSQLite(rest string, config BrokerConfig, logger watermill.LoggerAdapter) (*Broker, error) {
+	display := "sqlite:" + rest
+	path, query, _ := strings.Cut(rest, "?")
+	if path == "" {
+		return nil, &ConfigError{Field: "url", Value: display, Reason: "names no file: want sqlite:path/to/file.db[?mode=rwc], sqlite:/absolute/path.db or sqlite::memory:"}
+	}
+	if strings.HasPrefix(path, "//") {
+		return nil, &ConfigError{Field: "url", Value: display, Reason: "has a host part (sqlite://...): want sqlite:relative/path.db or sqlite:/absolute/path.db"}
+	}
+	params, err := url.ParseQuery(query)
+	if err != nil {
+		return nil, &ConfigError{Field: "url", Value: display, Reason: "has malformed parameters after '?': " + err.Error()}
+	}
+	memory := path == ":memory:"
+	if memory {
+		// One database shared by every connection of the pool, named for this broker alone.
+		path = "/sqlbroker-" + watermill.NewUUID()
+		params.Set("vfs", "memdb")
+	} else {
+		params.Add("_pragma", "journal_mode(WAL)")
+		params.Add("_pragma", "synchronous(NORMAL)")
+	}
+	if params.Get("_busy_timeout") == "" && params.Get("_timeout") == "" {
+		params.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", dbx.SQLiteBusyTimeoutMS))
+	}
+	dsn := "file:" + path + "?" + params.Encode()
+	pool, err := dbx.OpenSQLitePool(dsn, path, config.MaxConns, memory)
+	if errors.Is(err, dbx.ErrNoSQLiteDriver) {
+		return nil, &ConfigError{Field: "url", Value: display, Reason: `needs the SQLite driver: import _ "modernc.org/sqlite" in the program (the library does not import it, so that programs on PostgreSQL do not build it)`}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("sqlbroker: Open %s: %w", display, err)
+	}
+	return &Broker{config: config, logger: logger, driver: "sqlite", display: display, pool: pool, done: make(chan struct{})}, nil
 }
 
 // parseBrokerURL picks the driver and returns the URL to hand it, and the URL to show.
@@ -240,7 +294,10 @@ func (b *Broker) InitializeSchema(ctx context.Context, config PublisherConfig, t
 		if err := validateTopic(topic); err != nil {
 			return err
 		}
-		if err := offsets.NewTables(config.Schema, config.TablePrefix, topic).Create(ctx, b.pool); err != nil {
+		if b.driver == "sqlite" && config.Schema != "" {
+			return &ConfigError{Field: "Schema", Value: config.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
+		}
+		if err := tablesFor(config.Schema, config.TablePrefix, topic, b.driver == "sqlite").Create(ctx, b.pool); err != nil {
 			return fmt.Errorf("sqlbroker: creating the tables of %q: %w", topic, err)
 		}
 	}

@@ -414,3 +414,14 @@ func (c *SubscriberConfig) validate() error {
 	}
 	return nil
 }
+
+// validateSQLite refuses what a SQLite database cannot do.
+func (c *SubscriberConfig) validateSQLite() error {
+	if c.ClaimMode == ClaimAdvisoryLock {
+		return &ConfigError{Field: "ClaimMode", Value: c.ClaimMode.String(), Reason: "needs PostgreSQL's session advisory locks, which SQLite does not have: use ClaimLease (the lease mode) on SQLite"}
+	}
+	if c.Schema != "" {
+		return &ConfigError{Field: "Schema", Value: c.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
+	}
+	return nil
+}

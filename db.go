@@ -33,6 +33,34 @@ func StdSQL(db *sql.DB) DB {
 	return DB{pool: dbx.NewStdPool(db)}
 }
 
+// SQLite wraps a database/sql pool of the SQLite driver modernc.org/sqlite (registered as
+// "sqlite": the program imports it, this package does not). The library never closes it. It
+// runs the lease claim mode only.
+//
+// Before its first use by the library, each connection is checked: the database must be in
+// WAL mode (journal_mode belongs to the file: the library sets WAL when it is not, and
+// refuses the database with an error when SQLite refuses it), and a connection whose
+// busy_timeout is 0 gets 5 seconds. synchronous is left as the handle sets it. Every
+// transaction of the library begins with BEGIN IMMEDIATE. An in-memory database is one per
+// connection unless its DSN shares it (for example "file:/name?vfs=memdb"): Open's
+// "sqlite::memory:" does that.
+func SQLite(db *sql.DB) DB {
+	if db == nil {
+		return DB{}
+	}
+	return DB{pool: dbx.NewSQLitePool(db)}
+}
+
+// SQLiteTx wraps a caller's database/sql transaction on SQLite, for a Publisher that writes
+// inside it, like StdTx. Begin it with BEGIN IMMEDIATE semantics (modernc.org/sqlite's
+// _txlock=immediate DSN option) so that it never fails on a lock upgrade.
+func SQLiteTx(tx *sql.Tx) DB {
+	if tx == nil {
+		return DB{}
+	}
+	return DB{tx: dbx.NewSQLiteCallerTx(tx)}
+}
+
 // PgxTx wraps a caller's pgx transaction, for a Publisher that writes inside it (the outbox
 // pattern): its messages become visible exactly when the caller commits.
 func PgxTx(tx pgx.Tx) DB {
@@ -51,6 +79,9 @@ func StdTx(tx *sql.Tx) DB {
 }
 
 func (d DB) valid() bool { return d.pool != nil || d.tx != nil }
+
+// sqlite reports whether d is a SQLite database.
+func (d DB) sqlite() bool { return dbx.IsSQLite(d.pool) || dbx.IsSQLite(d.tx) }
 
 // querier is where statements of a publisher run.
 func (d DB) querier() dbx.Querier {

@@ -43,3 +43,11 @@ func NackBackoffFor(c SubscriberConfig, attempt int) time.Duration {
 
 // DelayedUntil is the time a message's delay metadata holds it until, read at now.
 var DelayedUntil = delayedUntil
+
+// PublisherRunning is the number of statements of p running now.
+func PublisherRunning(p *Publisher) int {
+	if p.tracker == nil {
+		return 0
+	}
+	return p.tracker.Running()
+}

@@ -73,6 +73,12 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 	if err := config.validate(); err != nil {
 		return nil, err
 	}
+	if db.sqlite() {
+		if config.Schema != "" {
+			return nil, &ConfigError{Field: "Schema", Value: config.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
+		}
+		config.DisableNotify = true // SQLite has no NOTIFY: the wake-ups of this process remain
+	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
@@ -84,7 +90,7 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 		db:     db,
 		config: config,
 		logger: logger,
-		topics: newTopics(config.Schema, config.TablePrefix, false),
+		topics: newTopics(config.Schema, config.TablePrefix, false, db.sqlite()),
 
 		lastNotify:   map[string]time.Time{},
 		notifyTimers: map[string]*time.Timer{},

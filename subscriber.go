@@ -100,6 +100,11 @@ func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapte
 	if err := config.validate(); err != nil {
 		return nil, err
 	}
+	if db.sqlite() {
+		if err := config.validateSQLite(); err != nil {
+			return nil, err
+		}
+	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
@@ -111,7 +116,7 @@ func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapte
 		db:       db.pool,
 		config:   config,
 		logger:   logger,
-		topics:   newTopics(config.Schema, config.TablePrefix, !config.SynchronousCommit),
+		topics:   newTopics(config.Schema, config.TablePrefix, !config.SynchronousCommit, db.sqlite()),
 		subs:     map[*subscription]struct{}{},
 		shutdown: make(chan struct{}),
 		done:     make(chan struct{}),
@@ -155,7 +160,7 @@ func (s *Subscriber) tablesOf(topic string) (offsets.Tables, error) {
 	if err := validateTopic(topic); err != nil {
 		return offsets.Tables{}, err
 	}
-	return offsets.NewTables(s.config.Schema, s.config.TablePrefix, topic), nil
+	return s.topics.tables(topic), nil
 }
 
 // Subscribe starts claiming messages of topic for the consumer group and returns the channel

@@ -13,13 +13,28 @@ import (
 type topics struct {
 	schema, prefix string
 	asyncCommit    bool
+	sqlite         bool // the tables are in a SQLite database
 
 	mu    sync.Mutex
 	ready map[string]*offsets.Store
 }
 
-func newTopics(schema, prefix string, asyncCommit bool) *topics {
-	return &topics{schema: schema, prefix: prefix, asyncCommit: asyncCommit, ready: map[string]*offsets.Store{}}
+func newTopics(schema, prefix string, asyncCommit, sqlite bool) *topics {
+	return &topics{schema: schema, prefix: prefix, asyncCommit: asyncCommit, sqlite: sqlite, ready: map[string]*offsets.Store{}}
+}
+
+// tables names the tables of topic, on the database of t.
+func (t *topics) tables(topic string) offsets.Tables {
+	return tablesFor(t.schema, t.prefix, topic, t.sqlite)
+}
+
+// tablesFor names the tables of topic, on SQLite when sqlite is set.
+func tablesFor(schema, prefix, topic string, sqlite bool) offsets.Tables {
+	tb := offsets.NewTables(schema, prefix, topic)
+	if sqlite {
+		tb = tb.OnSQLite()
+	}
+	return tb
 }
 
 // cached returns the statements of topic when an earlier call of store has checked its tables.
@@ -42,7 +57,7 @@ func (t *topics) store(ctx context.Context, pool dbx.Beginner, q dbx.Querier, to
 	if ok {
 		return s, nil
 	}
-	tables := offsets.NewTables(t.schema, t.prefix, topic)
+	tables := t.tables(topic)
 	var err error
 	switch {
 	case initialize && pool != nil:

@@ -60,6 +60,9 @@ func (t Tables) Create(ctx context.Context, b dbx.Beginner) error {
 
 // CreateIn runs SchemaSQL inside a transaction the caller holds, under the same lock.
 func (t Tables) CreateIn(ctx context.Context, tx dbx.Querier) error {
+	if t.sqlite {
+		return t.sqliteCreateIn(ctx, tx)
+	}
 	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1::int4, $2::int4)", SchemaLockKey1, t.lockKey2()); err != nil {
 		return err
 	}
@@ -77,6 +80,9 @@ func (t Tables) Check(ctx context.Context, q dbx.Querier) error {
 
 // check verifies the tables; with missingOK only the version of existing tables is checked.
 func (t Tables) check(ctx context.Context, q dbx.Querier, missingOK bool) error {
+	if t.sqlite {
+		return t.sqliteCheck(ctx, q, missingOK)
+	}
 	var m, g, c bool
 	var comment string
 	// to_regclass resolves a name in the latest catalog, while obj_description reads through

@@ -20,6 +20,8 @@ const SchemaLockKey1 int32 = 0x53427363 // "SBsc"
 type Store struct {
 	T Tables
 
+	lite *sqliteStore // the statements on SQLite (T.IsSQLite); the fields below are PostgreSQL's
+
 	claimSQL            string // due claims first, then new messages
 	claimNewSQL         string // new messages only
 	claimLockedSQL      string
@@ -43,8 +45,16 @@ type Store struct {
 // (synchronous_commit = off for their own transaction only): a server crash can then forget
 // the last fraction of a second of them, and the messages concerned are delivered again,
 // which at-least-once delivery allows. Publishing is never asynchronous.
+//
+// For tables on SQLite (Tables.OnSQLite), the store runs SQLite's statements of the lease
+// mode, with the same results; asyncCommit does not apply (see the package's SQLite notes).
+// The advisory mode's statements are PostgreSQL's only.
 func NewStore(t Tables, asyncCommit bool) *Store {
 	s := &Store{T: t}
+	if t.sqlite {
+		s.lite = newSQLiteStore(t)
+		return s
+	}
 	// The setting is made inside the statement, so that it holds for the statement's own
 	// implicit transaction and costs no round trip; the condition makes the planner run it.
 	with, cond := "WITH ", ""
@@ -289,6 +299,9 @@ func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond)
 // EnsureGroup creates the group's row if it is missing and returns its id. A new group starts
 // at the oldest message kept, or, with startAtNewest, after every message already committed.
 func (s *Store) EnsureGroup(ctx context.Context, q dbx.Querier, group string, startAtNewest bool) (int32, error) {
+	if s.lite != nil {
+		return s.lite.ensureGroup(ctx, q, group, startAtNewest)
+	}
 	for range 3 {
 		var id int32
 		err := dbx.QueryRow(ctx, q, s.ensureGrpSQL, []any{group, startAtNewest}, &id)
@@ -334,6 +347,9 @@ func scanClaimed(rows dbx.Rows, out []Claimed) ([]Claimed, error) {
 // With due false it claims new messages only: it reads no claim of the group, so its cost
 // does not depend on how many claims were settled since the last vacuum (see dueSQL).
 func (s *Store) Claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, due bool, out []Claimed) ([]Claimed, error) {
+	if s.lite != nil {
+		return s.lite.claim(ctx, q, groupID, token, ttl, limit, due, out)
+	}
 	sql := s.claimNewSQL
 	if due {
 		sql = s.claimSQL
@@ -450,22 +466,34 @@ func (s *Store) settleOnce(ctx context.Context, q dbx.Querier, sql string, group
 // Ack deletes the claims whose token still matches and returns the offsets it deleted; the
 // others were stale (L3).
 func (s *Store) Ack(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced) (map[int64]bool, error) {
+	if s.lite != nil {
+		return s.lite.settle(ctx, q, s.lite.ackPrefix, groupID, fs)
+	}
 	return s.settle(ctx, q, s.ackSQL, groupID, fs)
 }
 
 // Nack makes the claims visible again after backoff; the attempt count stays.
 func (s *Store) Nack(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, backoff time.Duration) (map[int64]bool, error) {
+	if s.lite != nil {
+		return s.lite.settle(ctx, q, s.lite.nackPrefix, groupID, fs, msInt(backoff))
+	}
 	return s.settle(ctx, q, s.nackSQL, groupID, fs, ms(backoff))
 }
 
 // Release makes claims that never reached a handler visible again at once.
 func (s *Store) Release(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced) (map[int64]bool, error) {
+	if s.lite != nil {
+		return s.lite.settle(ctx, q, s.lite.relPrefix, groupID, fs)
+	}
 	return s.settle(ctx, q, s.releaseSQL, groupID, fs)
 }
 
 // Extend moves the lease deadline of the claims to now()+ttl and returns the offsets it
 // extended; a claim missing from the result has lost its lease (L4).
 func (s *Store) Extend(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, ttl time.Duration) (map[int64]bool, error) {
+	if s.lite != nil {
+		return s.lite.settle(ctx, q, s.lite.extPrefix, groupID, fs, msInt(ttl))
+	}
 	return s.settle(ctx, q, s.extendSQL, groupID, fs, ms(ttl))
 }
 
@@ -473,6 +501,9 @@ func (s *Store) Extend(ctx context.Context, q dbx.Querier, groupID int32, fs []F
 // progress but not yet below the xmin horizon: delivery waits for the oldest running
 // transaction of the cluster to end (M2).
 func (s *Store) HeldBack(ctx context.Context, q dbx.Querier, groupID int32) (int, error) {
+	if s.lite != nil {
+		return 0, nil // offsets commit in order on SQLite: nothing is held back
+	}
 	var n int64
 	err := dbx.QueryRow(ctx, q, s.horizonSQL, []any{groupID}, &n)
 	return int(n), err
@@ -545,6 +576,9 @@ func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''
 // also notifies channel when it is not "". Callers that need all-or-none for more rows than
 // one statement holds run it inside a transaction.
 func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row, channel string) error {
+	if s.lite != nil {
+		return s.lite.insert(ctx, q, rows) // SQLite has no NOTIFY: channel does not apply
+	}
 	for len(rows) > 0 {
 		n := min(len(rows), maxRowsPerInsert)
 		delayed := anyDelayed(rows[:n])
@@ -607,6 +641,9 @@ func deliverAt(r Row) any {
 // Copy writes rows with COPY FROM STDIN, in one statement (all or none) however many there
 // are. COPY cannot carry a NOTIFY: callers send one with Notify.
 func (s *Store) Copy(ctx context.Context, c dbx.Copier, rows []Row) error {
+	if s.lite != nil {
+		return errors.New("offsets: COPY is PostgreSQL's")
+	}
 	src := make([][]any, len(rows))
 	delayed := anyDelayed(rows)
 	for i, r := range rows {
@@ -636,6 +673,9 @@ func (s *Store) Copy(ctx context.Context, c dbx.Copier, rows []Row) error {
 
 // Notify sends a NOTIFY of the messages table on channel, as Insert's statement does.
 func (s *Store) Notify(ctx context.Context, q dbx.Querier, channel string) error {
+	if s.lite != nil {
+		return nil // SQLite has no NOTIFY
+	}
 	_, err := q.Exec(ctx, "SELECT pg_notify($1, $2)", channel, s.T.Messages)
 	return err
 }
@@ -643,5 +683,8 @@ func (s *Store) Notify(ctx context.Context, q dbx.Querier, channel string) error
 // Prune deletes up to limit messages that every consumer group has passed and that no claim
 // holds, written more than olderThan ago, and returns how many it deleted.
 func (s *Store) Prune(ctx context.Context, q dbx.Querier, olderThan time.Duration, limit int) (int64, error) {
+	if s.lite != nil {
+		return q.Exec(ctx, s.lite.pruneSQL, msInt(olderThan), limit)
+	}
 	return q.Exec(ctx, s.pruneSQL, ms(olderThan), limit)
 }

@@ -55,6 +55,8 @@ type Tables struct {
 
 	// Quoted, schema-qualified names for SQL text.
 	Messages, Groups, Claims string
+
+	sqlite bool // the tables of a SQLite database (OnSQLite)
 }
 
 // NewTables names the tables of topic. topic, schema and prefix must already be validated.
@@ -88,6 +90,9 @@ func (t Tables) seq(suffix string) string {
 // SchemaSQL is the DDL for the topic's tables. It is idempotent (IF NOT EXISTS) and is what
 // InitializeSchema runs; migration tools can take it as it is.
 func (t Tables) SchemaSQL() string {
+	if t.sqlite {
+		return t.sqliteSchemaSQL()
+	}
 	var b strings.Builder
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
 	"offset"     bigint      GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME %s),

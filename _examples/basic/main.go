@@ -1,6 +1,8 @@
-// Command basic publishes a few messages to PostgreSQL and consumes them through a Watermill
-// Router, then shuts down and prints what the shutdown did.
+// Command basic publishes a few messages and consumes them through a Watermill Router, then
+// shuts down and prints what the shutdown did. By default it runs on an in-memory SQLite
+// database, with no server; -url takes a PostgreSQL URL instead:
 //
+//	go run ./_examples/basic
 //	go run ./_examples/basic -url postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 package main
 
@@ -10,17 +12,19 @@ import (
 	"fmt"
 	"log"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
+	_ "modernc.org/sqlite" // the SQLite driver behind sqlite: URLs
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
 )
 
 func main() {
-	url := flag.String("url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL")
+	url := flag.String("url", "sqlite::memory:", "database URL: sqlite:file.db?mode=rwc, sqlite::memory: or postgres://user@host/db")
 	count := flag.Int("n", 5, "messages to publish")
 	flag.Parse()
 	if err := run(*url, *count); err != nil {
@@ -32,23 +36,21 @@ func run(url string, count int) error {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		return err
-	}
-	defer pool.Close() // the caller's pool: the library never closes it
-	db := sqlbroker.Pgx(pool)
 	logger := watermill.NewStdLogger(false, false)
-
-	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, logger)
+	broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, logger) // the broker owns its pool
 	if err != nil {
 		return err
 	}
-	defer pub.Close()
-	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{
+	defer broker.Close()
+
+	pub, err := broker.NewPublisher(sqlbroker.PublisherConfig{InitializeSchema: true})
+	if err != nil {
+		return err
+	}
+	sub, err := broker.NewSubscriber(sqlbroker.SubscriberConfig{
 		ConsumerGroup:    "basic-example",
 		InitializeSchema: true,
-	}, logger)
+	})
 	if err != nil {
 		return err
 	}
@@ -90,16 +92,24 @@ func run(url string, count int) error {
 	if err := <-runErr; err != nil {
 		return err
 	}
-	report, err := sub.Shutdown(ctx)
+	report, err := broker.Shutdown(ctx)
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(os.Stdout, "shutdown: %+v\n", report)
-	return dropTopic(ctx, pool, topic)
+	if strings.HasPrefix(url, "postgres") {
+		return dropTopic(ctx, url, topic)
+	}
+	return nil
 }
 
-// dropTopic removes the example's tables.
-func dropTopic(ctx context.Context, pool *pgxpool.Pool, topic string) error {
+// dropTopic removes the example's tables on PostgreSQL.
+func dropTopic(ctx context.Context, url, topic string) error {
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
 	ddl, err := sqlbroker.DropSQL(topic, "", "")
 	if err != nil {
 		return err

@@ -1,9 +1,11 @@
 // Command shutdown is the "exports" service: a Watermill Router consuming export requests
-// from PostgreSQL through a broker built from a URL, with handlers that take some time. On
+// from SQLite (the file exports.db, by default) or PostgreSQL through a broker built from a URL,
+// with handlers that take some time. On
 // SIGINT or SIGTERM (or after -run-for) it stops taking messages, lets the handlers in work
 // finish, shuts the library down, closes the pool the library built, and prints the
 // CloseReport.
 //
+//	go run ./_examples/shutdown -run-for 3s
 //	go run ./_examples/shutdown -url postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 package main
 
@@ -19,6 +21,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	_ "modernc.org/sqlite" // the SQLite driver behind sqlite: URLs
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
 )
@@ -26,7 +29,7 @@ import (
 const topic = "exports"
 
 func main() {
-	url := flag.String("url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL (libpq+postgres:// for lib/pq)")
+	url := flag.String("url", "sqlite:exports.db?mode=rwc", "database URL: sqlite:file.db?mode=rwc, or a PostgreSQL URL (postgres://, libpq+postgres:// for lib/pq)")
 	publish := flag.Int("publish", 20, "export requests to publish at start-up")
 	work := flag.Duration("work", 200*time.Millisecond, "how long one export takes")
 	runFor := flag.Duration("run-for", 0, "stop after this long (0: run until SIGINT or SIGTERM)")

@@ -8,7 +8,9 @@ import (
 	"github.com/lib/pq"
 )
 
-// SQLState returns the PostgreSQL error code carried by err, from either driver, or "".
+// SQLState returns the PostgreSQL error code carried by err, from either driver, or "". On
+// SQLite, an interrupted statement (InterruptedError) is CodeQueryCanceled and a missing
+// table CodeUndefinedTable, so that callers branch on both databases alike.
 func SQLState(err error) string {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
@@ -18,8 +20,19 @@ func SQLState(err error) string {
 	if errors.As(err, &pqErr) {
 		return string(pqErr.Code)
 	}
+	var ie *InterruptedError
+	if errors.As(err, &ie) {
+		return CodeQueryCanceled
+	}
+	var se interface{ Code() int }
+	if errors.As(err, &se) && se.Code()&0xff == sqliteError && strings.Contains(err.Error(), "no such table") {
+		return CodeUndefinedTable
+	}
 	return ""
 }
+
+// sqliteError is SQLite's primary result code SQLITE_ERROR.
+const sqliteError = 1
 
 // Error codes the library branches on.
 const (

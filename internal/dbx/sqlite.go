@@ -1,0 +1,525 @@
+package dbx
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"sync"
+)
+
+// SQLiteBusyTimeoutMS is the busy timeout the library sets on every SQLite connection it uses
+// that has none: a writer that finds the database locked by another one waits up to this long
+// for its turn instead of failing at once.
+const SQLiteBusyTimeoutMS = 5000
+
+// SQLitePool wraps a *sql.DB of the SQLite driver modernc.org/sqlite (registered as "sqlite";
+// the program imports the driver, this package does not).
+//
+// SQLite has one writer at a time. Every transaction the library opens on it begins with
+// BEGIN IMMEDIATE, which takes the write lock at once (waiting for it up to the busy
+// timeout): a transaction that read first and wrote later could otherwise fail with
+// SQLITE_BUSY, without waiting, when another writer committed in between. Single write
+// statements take the write lock when they start and wait for it the same way.
+//
+// Every connection is checked once before its first use (see setUp): it must be in WAL mode
+// (journal_mode is a property of the file: the library sets it when the file is not), and it
+// gets a busy timeout when it has none. Statements run on connections taken from the pool
+// (Acquire), so that each passes that check and so that Cancel can interrupt it.
+type SQLitePool struct {
+	DB *sql.DB
+
+	preset bool      // built by the library with the settings in its DSN: nothing to check
+	anchor *sql.Conn // an in-memory database: the connection that keeps it alive
+
+	ready sync.Map // driver connection -> struct{}: checked and set up
+
+	gateMu sync.Mutex
+	gate   *writeGate // the database file's, once known
+
+	closeOnce sync.Once
+}
+
+// writeGate lets one write of the process at a time at a database file: the library's
+// writers of one file (every pool on it) queue in the process, in order, instead of polling
+// SQLite's lock, where the busy handler's sleeps let a writer that waits long lose its turn
+// to newer ones again and again until its busy timeout ends. Writers of other processes
+// still meet at SQLite's lock, under the busy timeout.
+type writeGate struct{ ch chan struct{} }
+
+func newWriteGate() *writeGate { return &writeGate{ch: make(chan struct{}, 1)} }
+
+func (g *writeGate) lock(ctx context.Context) error {
+	select {
+	case g.ch <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (g *writeGate) unlock() { <-g.ch }
+
+// gates holds the write gate of each database file the process uses, by absolute path.
+var gates = struct {
+	sync.Mutex
+	m map[string]*writeGate
+}{m: map[string]*writeGate{}}
+
+// gateOf returns the write gate of the database file path; "" (a private in-memory or
+// temporary database) gets a gate of its own.
+func gateOf(path string) *writeGate {
+	if path == "" {
+		return newWriteGate()
+	}
+	if abs, err := filepath.Abs(path); err == nil {
+		path = abs
+	}
+	gates.Lock()
+	defer gates.Unlock()
+	g := gates.m[path]
+	if g == nil {
+		g = newWriteGate()
+		gates.m[path] = g
+	}
+	return g
+}
+
+// NewSQLitePool wraps a caller's *sql.DB: its connections are checked and set up before first
+// use; the library never closes it.
+func NewSQLitePool(db *sql.DB) *SQLitePool { return &SQLitePool{DB: db} }
+
+// OpenSQLitePool opens a *sql.DB of the "sqlite" driver on dsn, whose settings the caller
+// (the broker) put in the DSN. With memory set, one connection is held open for the pool's
+// life, so that the in-memory database the DSN names lives as long as the pool. The error
+// ErrNoSQLiteDriver says that the program did not import the driver.
+//
+// path names the database file (or the in-memory database's name), for the process's write
+// gate of it.
+func OpenSQLitePool(dsn, path string, maxConns int, memory bool) (*SQLitePool, error) {
+	if !SQLiteRegistered() {
+		return nil, ErrNoSQLiteDriver
+	}
+	db, err := sql.Open("sqlite", dsn)
+	if err != nil {
+		return nil, err
+	}
+	db.SetMaxOpenConns(maxConns)
+	db.SetMaxIdleConns(maxConns)
+	p := &SQLitePool{DB: db, preset: true, gate: gateOf(path)}
+	if memory {
+		c, err := db.Conn(context.Background())
+		if err != nil {
+			_ = db.Close()
+			return nil, err
+		}
+		p.anchor = c
+	}
+	return p, nil
+}
+
+// ErrNoSQLiteDriver says that no database/sql driver named "sqlite" is registered.
+var ErrNoSQLiteDriver = errors.New(`no database/sql driver "sqlite" is registered: import _ "modernc.org/sqlite" in the program`)
+
+// SQLiteRegistered reports whether a database/sql driver named "sqlite" is registered.
+func SQLiteRegistered() bool {
+	for _, d := range sql.Drivers() {
+		if d == "sqlite" {
+			return true
+		}
+	}
+	return false
+}
+
+// IsSQLite reports whether q runs on SQLite (a pool, connection or transaction of this file).
+func IsSQLite(q any) bool {
+	switch q.(type) {
+	case *SQLitePool, *sqliteConn, *sqliteTx, SQLiteCallerTx:
+		return true
+	}
+	return false
+}
+
+// SQLiteConfigError says why a caller's *sql.DB cannot be used as the library needs it.
+type SQLiteConfigError struct{ Reason string }
+
+func (e *SQLiteConfigError) Error() string { return "sqlite: " + e.Reason }
+
+func (p *SQLitePool) Driver() string { return "sqlite" }
+
+func (p *SQLitePool) OpenConns() int { return p.DB.Stats().OpenConnections }
+
+// Close closes the pool (a pool the library opened).
+func (p *SQLitePool) Close() {
+	p.closeOnce.Do(func() {
+		if p.anchor != nil {
+			_ = p.anchor.Close()
+		}
+		_ = p.DB.Close()
+	})
+}
+
+// setUp checks a connection before its first use: the connection has a busy timeout, and the
+// database is in WAL mode (or in memory, where WAL does not exist).
+func (p *SQLitePool) setUp(ctx context.Context, c *sql.Conn) error {
+	if p.preset {
+		return nil
+	}
+	if err := p.findGate(ctx, c); err != nil {
+		return err
+	}
+	var key any
+	_ = c.Raw(func(dc any) error { key = dc; return nil })
+	if _, ok := p.ready.Load(key); ok {
+		return nil
+	}
+	var busy int64
+	if err := c.QueryRowContext(ctx, "PRAGMA busy_timeout").Scan(&busy); err != nil {
+		return err
+	}
+	if busy == 0 {
+		if _, err := c.ExecContext(ctx, fmt.Sprintf("PRAGMA busy_timeout = %d", SQLiteBusyTimeoutMS)); err != nil {
+			return err
+		}
+	}
+	// With the busy timeout set first: switching to WAL waits for the other connections.
+	var mode string
+	if err := c.QueryRowContext(ctx, "PRAGMA journal_mode").Scan(&mode); err != nil {
+		return err
+	}
+	if !strings.EqualFold(mode, "wal") && !strings.EqualFold(mode, "memory") {
+		if err := c.QueryRowContext(ctx, "PRAGMA journal_mode = WAL").Scan(&mode); err != nil {
+			return &SQLiteConfigError{Reason: fmt.Sprintf("setting journal_mode = WAL: %v", err)}
+		}
+		if !strings.EqualFold(mode, "wal") {
+			return &SQLiteConfigError{Reason: fmt.Sprintf("the database is in journal_mode %q and refused WAL, which a queue needs (readers and the writer must not block each other)", mode)}
+		}
+	}
+	p.ready.Store(key, struct{}{})
+	return nil
+}
+
+// findGate finds the write gate of a caller's *sql.DB from the file of its main database.
+func (p *SQLitePool) findGate(ctx context.Context, c *sql.Conn) error {
+	p.gateMu.Lock()
+	defer p.gateMu.Unlock()
+	if p.gate != nil {
+		return nil
+	}
+	rows, err := c.QueryContext(ctx, "PRAGMA database_list")
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	file := ""
+	for rows.Next() {
+		var seq int64
+		var name, f string
+		if err := rows.Scan(&seq, &name, &f); err != nil {
+			return err
+		}
+		if name == "main" {
+			file = f
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	p.gate = gateOf(file)
+	return nil
+}
+
+func (p *SQLitePool) conn(ctx context.Context) (*sqliteConn, error) {
+	c, err := p.DB.Conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := p.setUp(ctx, c); err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	return &sqliteConn{c: c, pool: p, gate: p.gate}, nil
+}
+
+func (p *SQLitePool) Acquire(ctx context.Context) (Conn, error) { return p.conn(ctx) }
+
+// Dedicated is Acquire: SQLite has no session state the library keeps on a connection.
+func (p *SQLitePool) Dedicated(ctx context.Context) (Conn, error) { return p.conn(ctx) }
+
+func (p *SQLitePool) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	c, err := p.conn(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer c.Release()
+	return c.Exec(ctx, query, args...)
+}
+
+func (p *SQLitePool) Query(ctx context.Context, query string, args ...any) (Rows, error) {
+	c, err := p.conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	rows, err := c.Query(ctx, query, args...)
+	if err != nil {
+		c.Release()
+		return nil, err
+	}
+	return &trackedRows{Rows: rows, done: c.Release}, nil
+}
+
+// Begin starts a write transaction (BEGIN IMMEDIATE) on a connection of its own, which goes
+// back to the pool when the transaction ends.
+func (p *SQLitePool) Begin(ctx context.Context) (Tx, error) {
+	c, err := p.conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	tx, err := c.begin(ctx, true)
+	if err != nil {
+		c.Release()
+		return nil, err
+	}
+	return tx, nil
+}
+
+// sqliteConn is one connection of a SQLitePool. Its statements run under a context of their
+// own, which Cancel ends: the driver then interrupts the statement (sqlite3_interrupt) and
+// returns once it has stopped.
+type sqliteConn struct {
+	c    *sql.Conn
+	pool *SQLitePool
+	gate *writeGate
+	inTx bool // a transaction of the library holds the write gate
+
+	mu          sync.Mutex
+	running     context.CancelFunc
+	interrupted bool // Cancel ended the statement running now
+}
+
+func (c *sqliteConn) track(ctx context.Context) (context.Context, func(err error) error) {
+	ctx, cancel := context.WithCancel(ctx)
+	c.mu.Lock()
+	c.running = cancel
+	c.interrupted = false
+	c.mu.Unlock()
+	return ctx, func(err error) error {
+		c.mu.Lock()
+		c.running = nil
+		hit := c.interrupted
+		c.interrupted = false
+		c.mu.Unlock()
+		cancel()
+		if err != nil && hit {
+			return &InterruptedError{Err: err}
+		}
+		return err
+	}
+}
+
+// InterruptedError is the error of a SQLite statement that Cancel interrupted; SQLState
+// reports it as CodeQueryCanceled, as PostgreSQL does a cancelled statement.
+type InterruptedError struct{ Err error }
+
+func (e *InterruptedError) Error() string { return "sqlite: statement interrupted: " + e.Err.Error() }
+func (e *InterruptedError) Unwrap() error { return e.Err }
+
+// writes reports whether query writes (anything but a SELECT or a PRAGMA read).
+func writes(query string) bool {
+	q := strings.TrimLeft(query, " \t\n")
+	if len(q) < 6 {
+		return true
+	}
+	head := strings.ToUpper(q[:6])
+	return head != "SELECT" && head != "PRAGMA"
+}
+
+// lockWrite takes the write gate for one statement outside a transaction of the library, and
+// returns its release.
+func (c *sqliteConn) lockWrite(ctx context.Context, query string) (func(), error) {
+	if c.inTx || !writes(query) {
+		return func() {}, nil
+	}
+	if err := c.gate.lock(ctx); err != nil {
+		return nil, err
+	}
+	var once sync.Once
+	return func() { once.Do(c.gate.unlock) }, nil
+}
+
+func (c *sqliteConn) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	ctx, done := c.track(ctx)
+	unlock, err := c.lockWrite(ctx, query)
+	if err != nil {
+		return 0, done(err)
+	}
+	defer unlock()
+	res, err := c.c.ExecContext(ctx, query, args...)
+	if err != nil {
+		return 0, done(err)
+	}
+	n, err := res.RowsAffected()
+	return n, done(err)
+}
+
+func (c *sqliteConn) Query(ctx context.Context, query string, args ...any) (Rows, error) {
+	ctx, done := c.track(ctx)
+	unlock, err := c.lockWrite(ctx, query)
+	if err != nil {
+		return nil, done(err)
+	}
+	rows, err := c.c.QueryContext(ctx, query, args...)
+	if err != nil {
+		unlock()
+		return nil, done(err)
+	}
+	return &sqliteRows{r: rows, done: func(err error) error { unlock(); return done(err) }}, nil
+}
+
+// sqliteRows reports an interrupt as an InterruptedError, and ends the statement's context
+// when closed.
+type sqliteRows struct {
+	r      *sql.Rows
+	done   func(error) error
+	closed bool
+	err    error
+}
+
+func (r *sqliteRows) Next() bool             { return r.r.Next() }
+func (r *sqliteRows) Scan(dest ...any) error { return r.r.Scan(dest...) }
+func (r *sqliteRows) Err() error {
+	if r.closed {
+		return r.err
+	}
+	return r.r.Err()
+}
+
+func (r *sqliteRows) Close() {
+	if r.closed {
+		return
+	}
+	_ = r.r.Close()
+	r.err = r.done(r.r.Err())
+	r.closed = true
+}
+
+// Cancel interrupts the statement running now. The connection stays usable.
+func (c *sqliteConn) Cancel(context.Context) (bool, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.running != nil {
+		c.interrupted = true
+		c.running()
+	}
+	return false, nil
+}
+
+// PID is 0: SQLite runs in the process, with no server process to look at.
+func (c *sqliteConn) PID(context.Context) (uint32, error) { return 0, nil }
+
+func (c *sqliteConn) Release() { _ = c.c.Close() }
+
+func (c *sqliteConn) Destroy() {
+	_ = c.c.Raw(func(dc any) error {
+		c.pool.ready.Delete(dc)
+		return driver.ErrBadConn
+	})
+	_ = c.c.Close()
+}
+
+// Begin starts a write transaction (BEGIN IMMEDIATE) on the connection.
+func (c *sqliteConn) Begin(ctx context.Context) (Tx, error) { return c.begin(ctx, false) }
+
+func (c *sqliteConn) begin(ctx context.Context, owns bool) (*sqliteTx, error) {
+	if c.inTx {
+		return nil, errors.New("sqlite: a transaction is already open on the connection")
+	}
+	tctx, done := c.track(ctx) // Cancel ends the wait for the gate too
+	err := done(c.gate.lock(tctx))
+	if err != nil {
+		return nil, err
+	}
+	c.inTx = true
+	if _, err := c.Exec(ctx, "BEGIN IMMEDIATE"); err != nil {
+		c.inTx = false
+		c.gate.unlock()
+		return nil, err
+	}
+	return &sqliteTx{c: c, owns: owns}, nil
+}
+
+// sqliteTx is a transaction begun with BEGIN IMMEDIATE on a connection; its end releases the
+// connection when the transaction took it from the pool.
+type sqliteTx struct {
+	c    *sqliteConn
+	owns bool
+	done bool
+}
+
+func (t *sqliteTx) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	return t.c.Exec(ctx, query, args...)
+}
+
+func (t *sqliteTx) Query(ctx context.Context, query string, args ...any) (Rows, error) {
+	return t.c.Query(ctx, query, args...)
+}
+
+func (t *sqliteTx) Commit(ctx context.Context) error {
+	if t.done {
+		return errors.New("sqlite: transaction already ended")
+	}
+	_, err := t.c.Exec(ctx, "COMMIT")
+	if err != nil {
+		// A failed COMMIT leaves the transaction open (SQLITE_BUSY) or rolled back: end it.
+		t.Rollback(ctx)
+		return err
+	}
+	t.end(false)
+	return nil
+}
+
+// Rollback ends the transaction, under no cancellation of ctx. A connection whose rollback
+// fails is closed: it must never go back to the pool inside a transaction.
+func (t *sqliteTx) Rollback(ctx context.Context) error {
+	if t.done {
+		return nil
+	}
+	rctx, cancel := CleanupContext(ctx)
+	defer cancel()
+	_, err := t.c.Exec(rctx, "ROLLBACK")
+	if err != nil && strings.Contains(err.Error(), "no transaction is active") {
+		err = nil // SQLite rolled it back itself (an interrupt, an I/O error)
+	}
+	t.end(err != nil)
+	return err
+}
+
+func (t *sqliteTx) end(bad bool) {
+	t.done = true
+	t.c.inTx = false
+	t.c.gate.unlock()
+	switch {
+	case bad:
+		t.c.Destroy()
+	case t.owns:
+		t.c.Release()
+	}
+}
+
+// SQLiteCallerTx is a caller's database/sql transaction on SQLite.
+type SQLiteCallerTx struct{ stdQ }
+
+// NewSQLiteCallerTx wraps a caller's transaction on SQLite.
+func NewSQLiteCallerTx(tx *sql.Tx) SQLiteCallerTx { return SQLiteCallerTx{stdQ{tx}} }
+
+// InSQLiteTx runs fn in a write transaction of q: a new one on a pool or connection, or the
+// caller's own transaction as it is.
+func InSQLiteTx(ctx context.Context, q Querier, fn func(Querier) error) error {
+	if b, ok := q.(Beginner); ok {
+		return InTx(ctx, b, func(tx Tx) error { return fn(tx) })
+	}
+	return fn(q)
+}

@@ -1,0 +1,376 @@
+package offsets
+
+// The lease mode's statements on SQLite.
+//
+// SQLite has one writer at a time, and a message's offset (INTEGER PRIMARY KEY AUTOINCREMENT)
+// is given when its row is written, inside the one write transaction running: offsets commit
+// in order, so a group's position is just the last offset it handed out, and a message
+// committed late can never sit behind it (PostgreSQL needs the xid horizon for that). Times
+// are integer Unix milliseconds, read from SQLite's clock inside each statement (sqliteNow),
+// so that consumers in several processes compare one clock's values.
+//
+// A claim is one short write transaction (BEGIN IMMEDIATE) that takes many messages; a
+// settlement is one statement for many claims, fenced by each claim's key and token like on
+// PostgreSQL. With one writer no row changes under a statement: a settlement returns exactly
+// the claims it matched and applied.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+)
+
+// sqliteNow is the time of the statement on SQLite's clock, in Unix milliseconds (SQLite keeps
+// one 'now' for the whole statement).
+const sqliteNow = `CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)`
+
+// OnSQLite returns t for a SQLite database: the same names, SQLite's DDL and statements.
+func (t Tables) OnSQLite() Tables {
+	t.sqlite = true
+	return t
+}
+
+// IsSQLite reports whether t is for a SQLite database.
+func (t Tables) IsSQLite() bool { return t.sqlite }
+
+// sqliteSchemaSQL is the DDL of the topic's tables on SQLite. The schema version and the topic
+// are written in comments inside the CREATE TABLE statements, which SQLite keeps in
+// sqlite_schema: SQLite has no table comments.
+func (t Tables) sqliteSchemaSQL() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s ( -- %s%d
+	"offset"     INTEGER PRIMARY KEY AUTOINCREMENT,
+	"uuid"       TEXT    NOT NULL,
+	"payload"    BLOB    NOT NULL,
+	"metadata"   TEXT    NOT NULL DEFAULT '{}',
+	"created_at" INTEGER NOT NULL DEFAULT (%s)
+);
+`, t.Messages, schemaCommentPrefix, SchemaVersion, sqliteNow)
+	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s ( -- %s%s
+	"group_id"       INTEGER PRIMARY KEY AUTOINCREMENT,
+	"consumer_group" TEXT    NOT NULL UNIQUE,
+	"last_offset"    INTEGER NOT NULL,
+	"updated_at"     INTEGER NOT NULL
+);
+`, t.Groups, topicCommentPrefix, t.Topic)
+	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
+	"group_id"   INTEGER NOT NULL,
+	"offset"     INTEGER NOT NULL,
+	"token"      INTEGER NOT NULL,
+	"visible_at" INTEGER NOT NULL,
+	"attempts"   INTEGER NOT NULL,
+	PRIMARY KEY ("group_id", "offset")
+) WITHOUT ROWID;
+`, t.Claims)
+	return b.String()
+}
+
+// sqliteCreateIn runs the DDL in the caller's write transaction: BEGIN IMMEDIATE holds the
+// database's write lock, which serialises concurrent creators as PostgreSQL's advisory lock
+// does.
+func (t Tables) sqliteCreateIn(ctx context.Context, tx dbx.Querier) error {
+	if err := t.sqliteCheck(ctx, tx, true); err != nil {
+		return err
+	}
+	_, err := tx.Exec(ctx, t.sqliteSchemaSQL())
+	return err
+}
+
+func (t Tables) sqliteCheck(ctx context.Context, q dbx.Querier, missingOK bool) error {
+	var m, g, c int64
+	var ddl string
+	err := dbx.QueryRow(ctx, q, `SELECT
+	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?),
+	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?),
+	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?),
+	coalesce((SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?), '')`,
+		[]any{t.MessagesName, t.GroupsName, t.ClaimsName, t.MessagesName}, &m, &g, &c, &ddl)
+	if err != nil {
+		return err
+	}
+	if !missingOK {
+		for _, x := range []struct {
+			ok   int64
+			name string
+		}{{m, t.Messages}, {g, t.Groups}, {c, t.Claims}} {
+			if x.ok == 0 {
+				return &MissingTableError{Topic: t.Topic, Table: x.name}
+			}
+		}
+	}
+	if m != 0 {
+		found := ""
+		if _, after, ok := strings.Cut(ddl, schemaCommentPrefix); ok {
+			end := strings.IndexFunc(after, func(r rune) bool { return r < '0' || r > '9' })
+			if end < 0 {
+				end = len(after)
+			}
+			found = after[:end]
+		}
+		if n, err := strconv.Atoi(found); err != nil || n != SchemaVersion {
+			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: schemaCommentPrefix + found, Want: SchemaVersion}
+		}
+	}
+	return nil
+}
+
+// sqliteStore holds the SQL text of a topic's statements on SQLite.
+type sqliteStore struct {
+	peekSQL      string // is anything waiting or due, without the write lock
+	positionSQL  string
+	readNewSQL   string
+	insClaimsSQL string
+	advanceSQL   string
+	dueSQL       string
+	readSQL      string // messages by offset: the prefix, then "?,?,...)"
+	insertPrefix string
+	ensureGrpSQL string
+	lookupGrpSQL string
+	pruneSQL     string
+	ackPrefix    string
+	nackPrefix   string
+	relPrefix    string
+	extPrefix    string
+}
+
+func newSQLiteStore(t Tables) *sqliteStore {
+	s := &sqliteStore{}
+	s.peekSQL = fmt.Sprintf(`SELECT
+	EXISTS (SELECT 1 FROM %[2]s m WHERE m."offset" > g."last_offset"),
+	CASE WHEN ? THEN EXISTS (SELECT 1 FROM %[3]s c WHERE c."group_id" = g."group_id" AND c."visible_at" <= %[4]s) ELSE 0 END
+FROM %[1]s g WHERE g."group_id" = ?`, t.Groups, t.Messages, t.Claims, sqliteNow)
+	s.positionSQL = fmt.Sprintf(`SELECT "last_offset" FROM %s WHERE "group_id" = ?`, t.Groups)
+	s.readNewSQL = fmt.Sprintf(`SELECT "offset", "uuid", "payload", "metadata" FROM %s WHERE "offset" > ? ORDER BY "offset" LIMIT ?`, t.Messages)
+	s.insClaimsSQL = fmt.Sprintf(`INSERT INTO %[1]s ("group_id", "offset", "token", "visible_at", "attempts")
+SELECT ?, m."offset", ?, %[3]s + ?, 1 FROM %[2]s m WHERE m."offset" > ? AND m."offset" <= ?`, t.Claims, t.Messages, sqliteNow)
+	s.advanceSQL = fmt.Sprintf(`UPDATE %s SET "last_offset" = ?, "updated_at" = %s WHERE "group_id" = ?`, t.Groups, sqliteNow)
+	s.dueSQL = fmt.Sprintf(`UPDATE %[1]s SET "token" = ?, "visible_at" = %[2]s + ?, "attempts" = "attempts" + 1
+WHERE "group_id" = ? AND "offset" IN (
+	SELECT "offset" FROM %[1]s WHERE "group_id" = ? AND "visible_at" <= %[2]s ORDER BY "offset" LIMIT ?
+)
+RETURNING "offset", "attempts"`, t.Claims, sqliteNow)
+	s.readSQL = fmt.Sprintf(`SELECT "offset", "uuid", "payload", "metadata" FROM %s WHERE "offset" IN (`, t.Messages)
+	s.insertPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata") VALUES `, t.Messages)
+	s.ensureGrpSQL = fmt.Sprintf(`INSERT INTO %[1]s ("consumer_group", "last_offset", "updated_at")
+VALUES (?, CASE WHEN ? THEN coalesce((SELECT max("offset") FROM %[2]s), 0) ELSE 0 END, %[3]s)
+ON CONFLICT ("consumer_group") DO NOTHING
+RETURNING "group_id"`, t.Groups, t.Messages, sqliteNow)
+	s.lookupGrpSQL = fmt.Sprintf(`SELECT "group_id" FROM %s WHERE "consumer_group" = ?`, t.Groups)
+	s.pruneSQL = fmt.Sprintf(`DELETE FROM %[2]s WHERE "offset" IN (
+	SELECT d."offset" FROM %[2]s d
+	WHERE d."offset" <= (SELECT min("last_offset") FROM %[1]s)
+	  AND d."created_at" < %[4]s - ?
+	  AND NOT EXISTS (SELECT 1 FROM %[3]s c WHERE c."offset" = d."offset")
+	ORDER BY d."offset"
+	LIMIT ?
+)`, t.Groups, t.Messages, t.Claims, sqliteNow)
+	// Settlements: ? is the group, then the arguments of the statement's SET, then the
+	// (offset, token) pairs. Each claim is found by its primary key (group_id, offset) and
+	// applied only if its token still matches.
+	fenced := func(set string) string {
+		return fmt.Sprintf(`UPDATE %s SET %s WHERE "group_id" = ? AND ("offset", "token") IN (VALUES `, t.Claims, set)
+	}
+	s.ackPrefix = fmt.Sprintf(`DELETE FROM %s WHERE "group_id" = ? AND ("offset", "token") IN (VALUES `, t.Claims)
+	s.nackPrefix = fenced(`"token" = 0, "visible_at" = ` + sqliteNow + ` + ?`)
+	s.relPrefix = fenced(`"token" = 0, "visible_at" = ` + sqliteNow + `, "attempts" = max("attempts" - 1, 0)`)
+	s.extPrefix = fenced(`"visible_at" = ` + sqliteNow + ` + ?`)
+	return s
+}
+
+// msInt is d in whole milliseconds, rounded up so that a lease is never shorter than asked.
+func msInt(d time.Duration) int64 {
+	return int64((d + time.Millisecond - 1) / time.Millisecond)
+}
+
+func (s *sqliteStore) ensureGroup(ctx context.Context, q dbx.Querier, group string, startAtNewest bool) (int32, error) {
+	var id int64
+	err := dbx.QueryRow(ctx, q, s.ensureGrpSQL, []any{group, startAtNewest}, &id)
+	if errors.Is(err, dbx.ErrNoRows) {
+		err = dbx.QueryRow(ctx, q, s.lookupGrpSQL, []any{group}, &id)
+	}
+	return int32(id), err
+}
+
+// claim runs one claim. A look without the write lock comes first: an idle poll (nothing new,
+// nothing due) writes nothing and waits for no writer. Otherwise one write transaction takes
+// the due claims again under token (with due), then new messages after the group's position,
+// which it advances.
+func (s *sqliteStore) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, due bool, out []Claimed) ([]Claimed, error) {
+	var waiting, dueAny int64
+	if err := dbx.QueryRow(ctx, q, s.peekSQL, []any{due, groupID}, &waiting, &dueAny); err != nil {
+		if errors.Is(err, dbx.ErrNoRows) {
+			return out, fmt.Errorf("offsets: consumer group %d has no row", groupID)
+		}
+		return out, err
+	}
+	if waiting == 0 && dueAny == 0 {
+		return out, nil
+	}
+	start := len(out)
+	err := dbx.InSQLiteTx(ctx, q, func(tx dbx.Querier) error {
+		var err error
+		out, err = s.claimIn(ctx, tx, groupID, token, ttl, limit, due && dueAny != 0, out)
+		return err
+	})
+	if err != nil {
+		return out[:start], err // rolled back: none of them was claimed
+	}
+	return out, nil
+}
+
+func (s *sqliteStore) claimIn(ctx context.Context, tx dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, due bool, out []Claimed) ([]Claimed, error) {
+	lease := msInt(ttl)
+	if due {
+		rows, err := tx.Query(ctx, s.dueSQL, token, lease, groupID, groupID, limit)
+		if err != nil {
+			return out, err
+		}
+		attempts := map[int64]int{}
+		var offs []int64
+		for rows.Next() {
+			var off, att int64
+			if err := rows.Scan(&off, &att); err != nil {
+				rows.Close()
+				return out, err
+			}
+			attempts[off] = int(att)
+			offs = append(offs, off)
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return out, err
+		}
+		if len(offs) > 0 {
+			sort.Slice(offs, func(i, j int) bool { return offs[i] < offs[j] })
+			args := make([]any, len(offs))
+			for i, o := range offs {
+				args[i] = o
+			}
+			rows, err := tx.Query(ctx, s.readSQL+placeholders(len(offs))+`) ORDER BY "offset"`, args...)
+			if err != nil {
+				return out, err
+			}
+			for rows.Next() {
+				var c Claimed
+				if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata); err != nil {
+					rows.Close()
+					return out, err
+				}
+				c.Attempts, c.Again = attempts[c.Offset], true
+				out = append(out, c)
+			}
+			rows.Close()
+			if err := rows.Err(); err != nil {
+				return out, err
+			}
+			limit -= len(offs)
+		}
+	}
+	if limit <= 0 {
+		return out, nil
+	}
+	var pos int64
+	if err := dbx.QueryRow(ctx, tx, s.positionSQL, []any{groupID}, &pos); err != nil {
+		return out, err
+	}
+	rows, err := tx.Query(ctx, s.readNewSQL, pos, limit)
+	if err != nil {
+		return out, err
+	}
+	first := len(out)
+	for rows.Next() {
+		c := Claimed{Attempts: 1}
+		if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata); err != nil {
+			rows.Close()
+			return out, err
+		}
+		out = append(out, c)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return out, err
+	}
+	if len(out) == first {
+		return out, nil
+	}
+	last := out[len(out)-1].Offset
+	if _, err := tx.Exec(ctx, s.insClaimsSQL, groupID, token, lease, pos, last); err != nil {
+		return out, err
+	}
+	if _, err := tx.Exec(ctx, s.advanceSQL, last, groupID); err != nil {
+		return out, err
+	}
+	return out, nil
+}
+
+func placeholders(n int) string {
+	return strings.TrimSuffix(strings.Repeat("?,", n), ",")
+}
+
+// sqliteSettleChunk bounds the claims of one settlement statement (two parameters each, under
+// SQLite's 32766).
+const sqliteSettleChunk = 1000
+
+// settle runs the settlement prefix (with its SET arguments set) for fs and returns the
+// offsets it applied.
+func (s *sqliteStore) settle(ctx context.Context, q dbx.Querier, prefix string, groupID int32, fs []Fenced, set ...any) (map[int64]bool, error) {
+	done := make(map[int64]bool, len(fs))
+	for len(fs) > 0 {
+		n := min(len(fs), sqliteSettleChunk)
+		var b strings.Builder
+		b.Grow(len(prefix) + n*6 + 32)
+		b.WriteString(prefix)
+		args := make([]any, 0, len(set)+1+2*n)
+		args = append(args, set...)
+		args = append(args, groupID)
+		for i, f := range fs[:n] {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			b.WriteString("(?,?)")
+			args = append(args, f.Offset, f.Token)
+		}
+		b.WriteString(`) RETURNING "offset"`)
+		offs, err := dbx.ScanInt64s(q.Query(ctx, b.String(), args...))
+		if err != nil {
+			return done, err
+		}
+		for _, o := range offs {
+			done[o] = true
+		}
+		fs = fs[n:]
+	}
+	return done, nil
+}
+
+func (s *sqliteStore) insert(ctx context.Context, q dbx.Querier, rows []Row) error {
+	for len(rows) > 0 {
+		n := min(len(rows), maxRowsPerInsert)
+		var b strings.Builder
+		b.Grow(len(s.insertPrefix) + n*8)
+		b.WriteString(s.insertPrefix)
+		args := make([]any, 0, n*3)
+		for i, r := range rows[:n] {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			b.WriteString("(?,?,?)")
+			payload := r.Payload
+			if payload == nil {
+				payload = []byte{}
+			}
+			args = append(args, r.UUID, payload, r.Metadata)
+		}
+		if _, err := q.Exec(ctx, b.String(), args...); err != nil {
+			return err
+		}
+		rows = rows[n:]
+	}
+	return nil
+}

@@ -1,0 +1,118 @@
+package sqlbroker_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+)
+
+func requireConfigError(t *testing.T, err error, field string, says ...string) {
+	t.Helper()
+	var ce *sqlbroker.ConfigError
+	require.True(t, errors.As(err, &ce), "want a ConfigError, got %v", err)
+	assert.Equal(t, field, ce.Field)
+	for _, s := range says {
+		assert.Contains(t, err.Error(), s)
+	}
+}
+
+// What SQLite cannot do is refused with a ConfigError that names the field and says why.
+func TestSQLite_badInputRefused(t *testing.T) {
+	t.Parallel()
+	db := sqlbroker.SQLite(testdb.SQLite(t))
+
+	_, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ClaimMode: sqlbroker.ClaimAdvisoryLock}, nil)
+	requireConfigError(t, err, "ClaimMode", "advisory", "ClaimLease", "lease mode")
+	_, err = sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{Schema: "app"}, nil)
+	requireConfigError(t, err, "Schema", "SQLite")
+	_, err = sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{Schema: "app"}, nil)
+	requireConfigError(t, err, "Schema", "SQLite")
+	_, err = sqlbroker.NewAdmin(db, sqlbroker.AdminConfig{})
+	requireConfigError(t, err, "db", "PostgreSQL")
+
+	for _, url := range []string{"sqlite:", "sqlite:?mode=rwc", "sqlite://host/file.db", "sqlite:x.db?%zz"} {
+		_, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
+		requireConfigError(t, err, "url")
+	}
+
+	b, err := sqlbroker.Open("sqlite::memory:", sqlbroker.BrokerConfig{}, nil)
+	require.NoError(t, err)
+	defer b.Close()
+	_, err = b.NewSubscriber(sqlbroker.SubscriberConfig{ClaimMode: sqlbroker.ClaimAdvisoryLock})
+	requireConfigError(t, err, "ClaimMode", "lease mode")
+	err = b.InitializeSchema(context.Background(), sqlbroker.PublisherConfig{Schema: "app"}, "t")
+	requireConfigError(t, err, "Schema")
+	err = b.InitializeSchema(context.Background(), sqlbroker.PublisherConfig{}, "bad topic")
+	require.Error(t, err)
+}
+
+// A caller's *sql.DB opened with none of the settings is set up by the library: WAL and a busy
+// timeout on the connections it uses.
+func TestSQLite_callerHandleIsSetUp(t *testing.T) {
+	t.Parallel()
+	raw := testdb.SQLite(t)
+	raw.SetMaxOpenConns(4)
+	pub, err := sqlbroker.NewPublisher(sqlbroker.SQLite(raw), sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	defer pub.Close()
+	require.NoError(t, pub.Publish("t", message.NewMessage(watermill.NewUUID(), []byte("x"))))
+	var mode string
+	require.NoError(t, raw.QueryRow("PRAGMA journal_mode").Scan(&mode))
+	assert.Equal(t, "wal", mode)
+}
+
+// Shutdown interrupts a publish that waits for SQLite's write lock (another process's
+// transaction holds it, here a handle of its own), and returns once the statement has ended:
+// the publish fails with ErrClosed, and nothing of it is written.
+func TestSQLite_shutdownInterruptsStatementInFlight(t *testing.T) {
+	t.Parallel()
+	path := testdb.SQLitePath(t)
+	b, err := sqlbroker.Open("sqlite:"+path+"?mode=rwc", sqlbroker.BrokerConfig{}, nil)
+	require.NoError(t, err)
+	ctx := context.Background()
+	require.NoError(t, b.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, "t"))
+	pub, err := b.NewPublisher(sqlbroker.PublisherConfig{})
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish("t", message.NewMessage(watermill.NewUUID(), []byte("before"))))
+
+	other, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(5000)")
+	require.NoError(t, err)
+	defer other.Close()
+	hold, err := other.Conn(ctx)
+	require.NoError(t, err)
+	_, err = hold.ExecContext(ctx, "BEGIN IMMEDIATE")
+	require.NoError(t, err)
+
+	published := make(chan error, 1)
+	go func() { published <- pub.Publish("t", message.NewMessage(watermill.NewUUID(), []byte("during"))) }()
+	testdb.Eventually(t, 5*time.Second, "the publish to wait for the write lock", func() bool {
+		return sqlbroker.PublisherRunning(pub) == 1
+	})
+	sctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	rep, _ := b.Shutdown(sctx)
+	took := time.Since(start)
+	err = <-published
+	assert.ErrorIs(t, err, sqlbroker.ErrClosed)
+	assert.Equal(t, 1, rep.PublishesCancelled, "the report counts the statement interrupted")
+	assert.Less(t, took, 3*time.Second, "Shutdown waited for the busy timeout instead of interrupting")
+
+	_, err = hold.ExecContext(ctx, "ROLLBACK")
+	require.NoError(t, err)
+	_ = hold.Close()
+	var n int
+	require.NoError(t, other.QueryRow(`SELECT count(*) FROM "sqlbroker_t_messages"`).Scan(&n))
+	assert.Equal(t, 1, n, "only the publish before the shutdown is written")
+	assert.ErrorIs(t, pub.Publish("t", message.NewMessage(watermill.NewUUID(), []byte("after"))), sqlbroker.ErrClosed)
+}

@@ -1,0 +1,102 @@
+package tests
+
+import (
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+)
+
+// sqliteFeatures are the Features of the library on SQLite: those of PostgreSQL, less the
+// restart of a server (SQLite has none: the database is a file of the process).
+func sqliteFeatures(ordered bool) tests.Features {
+	f := universalFeatures(ordered)
+	f.RestartServiceCommand = nil
+	return f
+}
+
+// sqliteConfig is the suite's subscriber configuration, as on PostgreSQL.
+func sqliteConfig(group string, ordered bool) sqlbroker.SubscriberConfig {
+	cfg := sqlbroker.SubscriberConfig{
+		ConsumerGroup:    group,
+		InitializeSchema: true,
+		LeaseTTL:         5 * time.Second,
+		RetryInterval:    200 * time.Millisecond,
+		CloseTimeout:     10 * time.Second,
+	}
+	if ordered {
+		cfg.MaxInFlight = 1
+	}
+	return cfg
+}
+
+// sqliteConstructors build the suite's publishers and subscribers on one SQLite file: through
+// a Broker that Open builds for each of them (so the suite's consumers of one group work
+// through pools of their own on one file, as processes would), or on one caller's *sql.DB.
+func sqliteConstructors(t *testing.T, viaOpen, ordered bool) (tests.PubSubConstructor, tests.ConsumerGroupPubSubConstructor) {
+	url := testdb.SQLiteURL(t)
+	var shared sqlbroker.DB
+	if !viaOpen {
+		shared = sqlbroker.SQLite(testdb.SQLite(t))
+	}
+	build := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
+		var pub *sqlbroker.Publisher
+		var sub *sqlbroker.Subscriber
+		var err error
+		if viaOpen {
+			b, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, watermill.NopLogger{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = b.Close() }) // runs after the closes below: the pool last
+			if pub, err = b.NewPublisher(sqlbroker.PublisherConfig{InitializeSchema: true}); err != nil {
+				t.Fatal(err)
+			}
+			if sub, err = b.NewSubscriber(sqliteConfig(group, ordered)); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			if pub, err = sqlbroker.NewPublisher(shared, sqlbroker.PublisherConfig{InitializeSchema: true}, nil); err != nil {
+				t.Fatal(err)
+			}
+			if sub, err = sqlbroker.NewSubscriber(shared, sqliteConfig(group, ordered), nil); err != nil {
+				t.Fatal(err)
+			}
+		}
+		t.Cleanup(func() {
+			_ = sub.Close()
+			_ = pub.Close()
+		})
+		return pub, sub
+	}
+	own := func(t *testing.T) (message.Publisher, message.Subscriber) {
+		return build(t, "own_"+watermill.NewShortUUID())
+	}
+	return own, build
+}
+
+// TestUniversal_SQLite runs Watermill's universal suite in lease mode on SQLite, through Open
+// and through sqlbroker.SQLite on a caller's *sql.DB.
+func TestUniversal_SQLite(t *testing.T) {
+	for _, run := range []struct {
+		name    string
+		viaOpen bool
+	}{{"open", true}, {"sqldb", false}} {
+		t.Run(run.name, func(t *testing.T) {
+			pubSub, groupPubSub := sqliteConstructors(t, run.viaOpen, false)
+			tests.TestPubSub(t, sqliteFeatures(false), pubSub, groupPubSub)
+		})
+	}
+}
+
+// TestUniversal_SQLiteOrdered runs the suite in the ordered configuration (one message in
+// flight, one subscriber), through Open.
+func TestUniversal_SQLiteOrdered(t *testing.T) {
+	pubSub, groupPubSub := sqliteConstructors(t, true, true)
+	tests.TestPubSub(t, sqliteFeatures(true), pubSub, groupPubSub)
+}
