@@ -62,7 +62,12 @@ func (sub *subscription) pokeDue() {
 
 // joinIdlePoll registers the subscription with its pool's shared poll; the claim loop calls
 // the returned leave when it ends, which stops the poll if this was its last subscription.
+// On SQLite a subscription does not park: its poll only reads, takes no write lock, and there
+// is no LISTEN to wake it from another process.
 func (sub *subscription) joinIdlePoll() (leave func()) {
+	if sub.store.T.IsSQLite() {
+		return func() {}
+	}
 	p, e := acquirePoller(sub.s.db, sub)
 	sub.idle.entry = e
 	return func() { p.leave(e) }

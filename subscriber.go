@@ -553,7 +553,7 @@ func (sub *subscription) claimLoop() {
 		}
 		if len(claimed) == 0 {
 			var goOn, woken bool
-			if withDue && idle >= min(sub.cfg.PollInterval, sub.cfg.IdlePollInterval) {
+			if withDue && sub.idle.entry != nil && idle >= min(sub.cfg.PollInterval, sub.cfg.IdlePollInterval) {
 				// Nothing now, nothing due: sleep until told (idlepoll.go).
 				goOn, woken = sub.park()
 			} else {
