@@ -149,6 +149,7 @@ func TestClaimPlanStaysFlat(t *testing.T) {
 	if err := store.Insert(ctx, db, rows, ""); err != nil {
 		t.Fatal(err)
 	}
+	testdb.WaitHorizon(t, ctx, db, tables.Messages)
 	if _, err := testdb.Pgx(t).Exec(ctx, "ANALYZE "+tables.Messages); err != nil {
 		t.Fatal(err)
 	}
@@ -227,6 +228,7 @@ func TestSettlePlansStayFlat(t *testing.T) {
 	if err := store.Insert(ctx, db, rows, ""); err != nil {
 		t.Fatal(err)
 	}
+	testdb.WaitHorizon(t, ctx, db, tables.Messages)
 	gid, err := store.EnsureGroup(ctx, db, "g", false)
 	if err != nil {
 		t.Fatal(err)
@@ -419,6 +421,7 @@ func TestClaimLockedSkipsHeldLocks(t *testing.T) {
 			if err := store.Insert(ctx, db, rows, ""); err != nil {
 				t.Fatal(err)
 			}
+			testdb.WaitHorizon(t, ctx, db, tables.Messages)
 			conn, err := pgx.Connect(ctx, testdb.URL())
 			if err != nil {
 				t.Fatal(err)

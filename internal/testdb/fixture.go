@@ -100,3 +100,19 @@ func must(t testing.TB, err error) {
 		t.Fatal(err)
 	}
 }
+
+// WaitHorizon waits until the xmin horizon has passed every row of messagesTable (a quoted
+// table name), so that a claim sees them: an open transaction of any other session of the
+// server (another test package, another user of a shared server) holds them back until it
+// ends.
+func WaitHorizon(t testing.TB, ctx context.Context, q dbx.Querier, messagesTable string) {
+	t.Helper()
+	Eventually(t, 2*time.Minute, "the xmin horizon passes the rows of "+messagesTable, func() bool {
+		var passed bool
+		err := dbx.QueryRow(ctx, q, `SELECT coalesce(max("xid") < pg_snapshot_xmin(pg_current_snapshot()), true) FROM `+messagesTable, nil, &passed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return passed
+	})
+}
