@@ -8,7 +8,6 @@ import (
 
 	"github.com/sqlbroker/watermill-sqlbroker/advisory"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
@@ -71,10 +70,10 @@ func (c *AdminConfig) setDefaults() {
 }
 
 func (c *AdminConfig) validate() error {
-	if err := ident.ValidateIdentifier("Schema", c.Schema, maxSchemaNameLength, true); err != nil {
+	if err := validateIdentifier("Schema", c.Schema, maxSchemaNameLength, true); err != nil {
 		return err
 	}
-	if err := ident.ValidateIdentifier("TablePrefix", c.TablePrefix, maxTablePrefixLength, false); err != nil {
+	if err := validateIdentifier("TablePrefix", c.TablePrefix, maxTablePrefixLength, false); err != nil {
 		return err
 	}
 	for _, f := range []struct {
@@ -352,7 +351,7 @@ func (a *Admin) advisoryHolders(ctx context.Context) (map[[2]int32]int64, error)
 
 // tables validates topic and names its tables.
 func (a *Admin) tables(topic string) (offsets.Tables, error) {
-	if err := ident.ValidateName("topic", topic); err != nil {
+	if err := validateName("topic", topic); err != nil {
 		return offsets.Tables{}, err
 	}
 	return offsets.NewTables(a.config.Schema, a.config.TablePrefix, topic), nil
@@ -364,11 +363,11 @@ func (a *Admin) group(ctx context.Context, topic, group string) (offsets.Tables,
 	if err != nil {
 		return t, err
 	}
-	if err := ident.ValidateName("consumer group", group); err != nil {
+	if err := validateName("consumer group", group); err != nil {
 		return t, err
 	}
 	if err := t.Check(ctx, a.db); err != nil {
-		return t, fmt.Errorf("sqlbroker: %w", err)
+		return t, publicErr(fmt.Errorf("sqlbroker: %w", err))
 	}
 	return t, nil
 }
@@ -429,7 +428,7 @@ func (a *Admin) Prune(ctx context.Context, topic string, olderThan time.Duration
 		return 0, err
 	}
 	if err := t.Check(ctx, a.db); err != nil {
-		return 0, fmt.Errorf("sqlbroker: %w", err)
+		return 0, publicErr(fmt.Errorf("sqlbroker: %w", err))
 	}
 	store := offsets.NewStore(t, false)
 	var total int64

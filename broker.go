@@ -298,7 +298,7 @@ func (b *Broker) InitializeSchema(ctx context.Context, config PublisherConfig, t
 			return &ConfigError{Field: "Schema", Value: config.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
 		}
 		if err := tablesFor(config.Schema, config.TablePrefix, topic, b.driver == "sqlite").Create(ctx, b.pool); err != nil {
-			return fmt.Errorf("sqlbroker: creating the tables of %q: %w", topic, err)
+			return publicErr(fmt.Errorf("sqlbroker: creating the tables of %q: %w", topic, err))
 		}
 	}
 	return nil

@@ -139,10 +139,10 @@ func (c *PublisherConfig) setDefaults() {
 }
 
 func (c *PublisherConfig) validate() error {
-	if err := ident.ValidateIdentifier("Schema", c.Schema, maxSchemaNameLength, true); err != nil {
+	if err := validateIdentifier("Schema", c.Schema, maxSchemaNameLength, true); err != nil {
 		return err
 	}
-	if err := ident.ValidateIdentifier("TablePrefix", c.TablePrefix, maxTablePrefixLength, false); err != nil {
+	if err := validateIdentifier("TablePrefix", c.TablePrefix, maxTablePrefixLength, false); err != nil {
 		return err
 	}
 	if c.MaxPayloadBytes < 0 {
@@ -360,16 +360,16 @@ func (c *SubscriberConfig) setDefaults() {
 }
 
 func (c *SubscriberConfig) validate() error {
-	if err := ident.ValidateName("ConsumerGroup", c.ConsumerGroup); err != nil {
+	if err := validateName("ConsumerGroup", c.ConsumerGroup); err != nil {
 		return err
 	}
 	if c.ClaimMode != ClaimLease && c.ClaimMode != ClaimAdvisoryLock {
 		return &ConfigError{Field: "ClaimMode", Value: int(c.ClaimMode), Reason: "must be ClaimLease or ClaimAdvisoryLock"}
 	}
-	if err := ident.ValidateIdentifier("Schema", c.Schema, maxSchemaNameLength, true); err != nil {
+	if err := validateIdentifier("Schema", c.Schema, maxSchemaNameLength, true); err != nil {
 		return err
 	}
-	if err := ident.ValidateIdentifier("TablePrefix", c.TablePrefix, maxTablePrefixLength, false); err != nil {
+	if err := validateIdentifier("TablePrefix", c.TablePrefix, maxTablePrefixLength, false); err != nil {
 		return err
 	}
 	positive := []struct {
@@ -396,7 +396,7 @@ func (c *SubscriberConfig) validate() error {
 		}
 	}
 	if c.DeadLetterTopic != "" {
-		if err := ident.ValidateName("DeadLetterTopic", c.DeadLetterTopic); err != nil {
+		if err := validateName("DeadLetterTopic", c.DeadLetterTopic); err != nil {
 			return err
 		}
 	}

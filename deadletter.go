@@ -7,7 +7,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/wake"
 	"github.com/sqlbroker/watermill-sqlbroker/offsets"
@@ -39,7 +38,7 @@ func (c *SubscriberConfig) deadLetterTopic(topic string) (string, error) {
 	if name == "" {
 		name = topic + DefaultDeadLetterSuffix
 	}
-	if err := ident.ValidateName("DeadLetterTopic", name); err != nil {
+	if err := validateName("DeadLetterTopic", name); err != nil {
 		return "", err
 	}
 	if name == topic {

@@ -38,19 +38,96 @@ func (e *StaleSettlementError) Error() string {
 }
 
 // NameError says which topic, consumer group or identifier was refused and why: names are
-// checked before they reach any SQL text. Its fields are Field (what the name is: "topic",
-// "ConsumerGroup", ...), Value (the name as given) and Reason.
-type NameError = ident.NameError
+// checked before they reach any SQL text.
+type NameError struct {
+	// Field is what the name is: "topic", "ConsumerGroup", "Schema", "TablePrefix", ...
+	Field string
+	// Value is the name as given.
+	Value string
+	// Reason says what is wrong with it, and what is allowed.
+	Reason string
+}
 
-// MissingTableError says that a table of a topic does not exist and how to create it
-// (InitializeSchema, or the SQL of SchemaSQL). Its fields are Topic and Table (the table's
-// quoted name).
-type MissingTableError = offsets.MissingTableError
+func (e *NameError) Error() string {
+	return fmt.Sprintf("invalid %s %q: %s", e.Field, e.Value, e.Reason)
+}
+
+// MissingTableError says that a table of a topic does not exist and how to create it:
+// InitializeSchema, or the SQL of SchemaSQL in a migration.
+type MissingTableError struct {
+	// Topic is the topic whose table is missing.
+	Topic string
+	// Table is the table's quoted name.
+	Table string
+}
+
+func (e *MissingTableError) Error() string {
+	return (&offsets.MissingTableError{Topic: e.Topic, Table: e.Table}).Error()
+}
 
 // SchemaVersionError says that a topic's tables were created by another schema version of the
-// library. Its fields are Topic, Table (the table's quoted name), Found (the version the table
-// carries) and Want (the version this library needs).
-type SchemaVersionError = offsets.VersionError
+// library.
+type SchemaVersionError struct {
+	// Topic is the topic whose tables were refused.
+	Topic string
+	// Table is the quoted name of the table that carries the version.
+	Table string
+	// Found is the version the table carries, as written in it.
+	Found string
+	// Want is the schema version this library needs.
+	Want int
+}
+
+func (e *SchemaVersionError) Error() string {
+	return (&offsets.VersionError{Topic: e.Topic, Table: e.Table, Found: e.Found, Want: e.Want}).Error()
+}
+
+// publicErr turns the errors of the library's internals that users match on into the root
+// package's own types, keeping what wrapped them.
+func publicErr(err error) error {
+	if err == nil {
+		return nil
+	}
+	var n *ident.NameError
+	if errors.As(err, &n) {
+		return replaceErr(err, n, &NameError{Field: n.Field, Value: n.Value, Reason: n.Reason})
+	}
+	var m *offsets.MissingTableError
+	if errors.As(err, &m) {
+		return replaceErr(err, m, &MissingTableError{Topic: m.Topic, Table: m.Table})
+	}
+	var v *offsets.VersionError
+	if errors.As(err, &v) {
+		return replaceErr(err, v, &SchemaVersionError{Topic: v.Topic, Table: v.Table, Found: v.Found, Want: v.Want})
+	}
+	return err
+}
+
+// replaceErr returns err with inner (found in its chain) replaced by outer: outer itself when
+// err is inner, otherwise err's text with outer to match.
+func replaceErr(err, inner, outer error) error {
+	if err == inner {
+		return outer
+	}
+	return &wrapped{msg: err.Error(), err: outer}
+}
+
+// wrapped is an error whose text is msg and whose chain holds err.
+type wrapped struct {
+	msg string
+	err error
+}
+
+func (w *wrapped) Error() string { return w.msg }
+func (w *wrapped) Unwrap() error { return w.err }
+
+// validateName checks a topic or consumer group name.
+func validateName(field, v string) error { return publicErr(ident.ValidateName(field, v)) }
+
+// validateIdentifier checks a schema or table prefix.
+func validateIdentifier(field, v string, max int, emptyOK bool) error {
+	return publicErr(ident.ValidateIdentifier(field, v, max, emptyOK))
+}
 
 // ConfigError names a configuration field, its value and the bound it broke. Every
 // constructor of the library returns one for a value it refuses; match it with errors.As.

@@ -1,7 +1,6 @@
 package sqlbroker
 
 import (
-	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
@@ -13,13 +12,13 @@ func SchemaSQL(topic, schema, tablePrefix string) (string, error) {
 	if tablePrefix == "" {
 		tablePrefix = DefaultTablePrefix
 	}
-	if err := ident.ValidateName("topic", topic); err != nil {
+	if err := validateName("topic", topic); err != nil {
 		return "", err
 	}
-	if err := ident.ValidateIdentifier("Schema", schema, maxSchemaNameLength, true); err != nil {
+	if err := validateIdentifier("Schema", schema, maxSchemaNameLength, true); err != nil {
 		return "", err
 	}
-	if err := ident.ValidateIdentifier("TablePrefix", tablePrefix, maxTablePrefixLength, false); err != nil {
+	if err := validateIdentifier("TablePrefix", tablePrefix, maxTablePrefixLength, false); err != nil {
 		return "", err
 	}
 	return offsets.NewTables(schema, tablePrefix, topic).SchemaSQL(), nil

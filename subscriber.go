@@ -14,7 +14,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/wake"
 	"github.com/sqlbroker/watermill-sqlbroker/offsets"
@@ -153,7 +152,7 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 	if err != nil {
 		return err
 	}
-	return tables.Create(context.Background(), s.db)
+	return publicErr(tables.Create(context.Background(), s.db))
 }
 
 func (s *Subscriber) tablesOf(topic string) (offsets.Tables, error) {
@@ -291,7 +290,7 @@ func (sub *subscription) stopReport() CloseReport {
 	}
 }
 
-func validateTopic(topic string) error { return ident.ValidateName("topic", topic) }
+func validateTopic(topic string) error { return validateName("topic", topic) }
 
 // subscription is one Subscribe call: its claim loop, lease extension and deliveries.
 type subscription struct {

@@ -5,7 +5,6 @@ import (
 	"sync"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
@@ -48,7 +47,7 @@ func (t *topics) cached(topic string) *offsets.Store {
 // tables (initialize) or checks that they exist with this schema version: through pool (a
 // pool or one of its connections), or q alone inside a caller's transaction (pool nil).
 func (t *topics) store(ctx context.Context, pool dbx.Beginner, q dbx.Querier, topic string, initialize bool) (*offsets.Store, error) {
-	if err := ident.ValidateName("topic", topic); err != nil {
+	if err := validateName("topic", topic); err != nil {
 		return nil, err
 	}
 	t.mu.Lock()
@@ -77,7 +76,7 @@ func (t *topics) store(ctx context.Context, pool dbx.Beginner, q dbx.Querier, to
 		err = tables.Check(ctx, q)
 	}
 	if err != nil {
-		return nil, err
+		return nil, publicErr(err)
 	}
 	s = offsets.NewStore(tables, t.asyncCommit)
 	t.mu.Lock()
