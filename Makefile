@@ -42,7 +42,7 @@ test-reconnect:
 
 fuzz:
 	go test -run '^$$' -fuzz FuzzValidateName -fuzztime 30s ./internal/ident/
-	go test -run '^$$' -fuzz FuzzNewTables -fuzztime 30s ./offsets/
+	go test -run '^$$' -fuzz FuzzNewTables -fuzztime 30s ./internal/offsets/
 
 bench:
 	go test -run '^$$' -bench . -benchtime 20000x ./tests/

@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // ErrNotDelivered is returned by AckInTx for a message that no Subscriber of this library

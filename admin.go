@@ -6,9 +6,9 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/sqlbroker/watermill-sqlbroker/advisory"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/advisory"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // Defaults of AdminConfig.

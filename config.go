@@ -5,7 +5,7 @@ import (
 	"time"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // ClaimMode says how a subscriber holds a message while a handler works on it.
@@ -101,7 +101,7 @@ type PublisherConfig struct {
 
 	// MaxGroupRows bounds the rows of one grouped statement. A call with more messages is
 	// never grouped: it runs alone, in one statement or one transaction. At most
-	// offsets.MaxRowsPerStatement(). Defaults to DefaultMaxGroupRows.
+	// 10,000 (the rows one statement takes). Defaults to DefaultMaxGroupRows.
 	MaxGroupRows int
 
 	// GroupTimeout bounds a grouped statement, the wait for a pool connection included. It
@@ -152,7 +152,7 @@ func (c *PublisherConfig) validate() error {
 		return &ConfigError{Field: "NotifyDebounce", Value: c.NotifyDebounce, Reason: "must not be negative"}
 	}
 	if c.MaxGroupRows < 0 || c.MaxGroupRows > offsets.MaxRowsPerStatement() {
-		return &ConfigError{Field: "MaxGroupRows", Value: c.MaxGroupRows, Reason: fmt.Sprintf("must be between 1 and %d (offsets.MaxRowsPerStatement)", offsets.MaxRowsPerStatement())}
+		return &ConfigError{Field: "MaxGroupRows", Value: c.MaxGroupRows, Reason: fmt.Sprintf("must be between 1 and %d", offsets.MaxRowsPerStatement())}
 	}
 	if c.GroupTimeout < 0 {
 		return &ConfigError{Field: "GroupTimeout", Value: c.GroupTimeout, Reason: "must not be negative"}

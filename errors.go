@@ -5,7 +5,7 @@ import (
 	"fmt"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // ErrClosed is returned by Publish and Subscribe after Close or Shutdown, and is the cause of

@@ -3,7 +3,7 @@ package sqlbroker
 import (
 	"time"
 
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // QueuedCalls is the number of grouped Publish calls of p waiting for topic's next statement.

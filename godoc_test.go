@@ -16,7 +16,7 @@ import (
 // The documentation of the public packages is read by users who cannot see the code: it must
 // not point at unexported names, nor at the short codes that tests carry (CONTRIBUTING.md
 // lists them for contributors).
-var publicPackages = []string{".", "sqlbrokerprom"}
+var publicPackages = []string{".", "sqlbrokerprom", "advisory", "offsets"}
 
 // ruleCode matches a guarantee code such as S3, L3 or A6 standing alone.
 var ruleCode = regexp.MustCompile(`\b[ACLMPS][0-9]{1,2}\b`)

@@ -11,8 +11,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 func pgxDB(t *testing.T) sqlbroker.DB { return sqlbroker.Pgx(testdb.Pgx(t)) }

@@ -14,10 +14,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
-	"github.com/sqlbroker/watermill-sqlbroker/advisory"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/advisory"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 // An idle subscription does not poll by itself every PollInterval (here an hour); a message

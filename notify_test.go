@@ -11,8 +11,8 @@ import (
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 // A message written by another process (here: the library's insert statement run directly,

@@ -16,8 +16,8 @@ import (
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/wake"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 // Publisher writes messages to a topic's messages table. It is safe for concurrent use.

@@ -1,7 +1,7 @@
 package sqlbroker
 
 import (
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // SchemaSQL returns the DDL that creates the tables of topic, for migration tools: the same

@@ -15,8 +15,8 @@ import (
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/wake"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 // Metadata keys the subscriber sets on every message it delivers.

@@ -10,9 +10,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 
-	"github.com/sqlbroker/watermill-sqlbroker/advisory"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/advisory"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // The advisory-lock claim mode (ClaimAdvisoryLock) on top of a subscription.

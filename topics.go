@@ -5,7 +5,7 @@ import (
 	"sync"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // topics caches, per topic, the prepared SQL and whether its schema was created or checked.

@@ -16,9 +16,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
-	"github.com/sqlbroker/watermill-sqlbroker/advisory"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/advisory"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 // The PgBouncers of .ci/pgbouncer.sh, in front of the test database.

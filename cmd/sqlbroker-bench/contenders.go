@@ -14,7 +14,7 @@ import (
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // contender is one of the things measured: the library in one claim mode, or watermill-sql.

@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // Scenario 7: the raw SQL limit. Each library's own statements, taken from its exported code

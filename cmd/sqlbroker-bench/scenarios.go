@@ -12,7 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // backlogBatch is the Publish call size used to fill backlogs before timing starts.

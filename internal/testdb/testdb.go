@@ -16,7 +16,7 @@ import (
 	_ "github.com/lib/pq" // the database/sql driver under test
 	"go.uber.org/goleak"
 
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // DefaultURL is the test database when SQLBROKER_TEST_POSTGRES_URL is not set.

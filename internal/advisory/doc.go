@@ -1,32 +1,9 @@
-// Package advisory holds what the advisory-lock claim mode (sqlbroker.ClaimAdvisoryLock) needs
+// Package advisory (internal) holds what the advisory-lock claim mode (sqlbroker.ClaimAdvisoryLock) needs
 // beside the tables of package offsets: the lock keys, the connection that holds the locks, and
 // the bookkeeping of which locks it holds.
 //
-// # Lock keys
-//
-// A claimed message is held by a PostgreSQL session advisory lock in the two-int4 key space,
-// pg_try_advisory_lock(key1 int4, key2 int4):
-//
-//   - key1 = Namespace | h, where h is the low 24 bits of the FNV-1a hash of the quoted,
-//     schema-qualified messages table name and the consumer group name. Every message lock of
-//     the library therefore has key1 in [0x4C000000, 0x4CFFFFFE] (the byte 'L' on top); the key1
-//     0x4CFFFFFF (ProbeKey1) is reserved for the session check below and is never a message key.
-//   - key2 = the low 32 bits of the message's offset, as int4.
-//
-// In pg_locks such a lock shows as locktype 'advisory', classid = key1, objid = key2 read as an
-// unsigned number, objsubid = 2. Why the keys are safe:
-//
-//   - Apart from the application's bigint locks: pg_advisory_lock(bigint) keys show with
-//     objsubid = 1 and live in a separate key space; they can never equal a two-int4 key.
-//   - Apart from the library's schema lock (offsets.SchemaLockKey1, 0x53427363, a transaction
-//     lock) and from watermill-sql's bigint schema lock: key1 never takes that value.
-//   - Collision-free for the messages of one group in flight together: offsets are one
-//     sequence per topic, and the messages of a group in flight at once lie less than 2^32
-//     apart, so their low 32 bits differ.
-//   - Two (topic, group) pairs whose hashes meet share key1. That costs waiting, never a double
-//     delivery: a lock someone else holds is never taken, so a message whose key another group
-//     holds at that moment is simply claimed a little later. The same holds for an application
-//     that takes two-int4 locks with key1 in the library's range: avoid that range.
+// The key layout is documented in the public package advisory, which re-exports the
+// key functions of this one.
 //
 // # The lock connection
 //

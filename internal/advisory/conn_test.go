@@ -11,10 +11,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/sqlbroker/watermill-sqlbroker/advisory"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/advisory"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 func TestMain(m *testing.M) {

@@ -6,8 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 // A settlement whose claim row a concurrent statement changed after the settlement's snapshot

@@ -8,8 +8,8 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
-	"github.com/sqlbroker/watermill-sqlbroker/offsets"
 )
 
 // BenchmarkInsertVsCopy compares the multi-row INSERT with COPY (pgx pool, 256-byte payloads)
