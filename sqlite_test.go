@@ -116,3 +116,56 @@ func TestSQLite_shutdownInterruptsStatementInFlight(t *testing.T) {
 	assert.Equal(t, 1, n, "only the publish before the shutdown is written")
 	assert.ErrorIs(t, pub.Publish("t", message.NewMessage(watermill.NewUUID(), []byte("after"))), sqlbroker.ErrClosed)
 }
+
+// A publisher inside the caller's SQLite transaction: its messages are seen exactly when the
+// caller commits, and never after a rollback; then delayed messages and MaxAttempts, which
+// SQLite does not do yet, are refused and nothing is written.
+func TestSQLite_txPublisherVisibleAtCommit(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	handle := testdb.SQLite(t)
+	db := sqlbroker.SQLite(handle)
+	topic := testdb.Topic(t, "sqlite-tx")
+	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", InitializeSchema: true, PollInterval: 20 * time.Millisecond}, nil)
+	require.NoError(t, err)
+	defer sub.Close()
+	require.NoError(t, sub.SubscribeInitialize(topic))
+
+	publishIn := func(payload string, commit bool) {
+		tx, err := handle.BeginTx(ctx, nil)
+		require.NoError(t, err)
+		txPub, err := sqlbroker.NewPublisher(sqlbroker.SQLiteTx(tx), sqlbroker.PublisherConfig{}, nil)
+		require.NoError(t, err)
+		require.NoError(t, txPub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte(payload))))
+		if commit {
+			require.NoError(t, tx.Commit())
+		} else {
+			require.NoError(t, tx.Rollback())
+		}
+	}
+	publishIn("rolled back", false)
+	publishIn("committed", true)
+
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	select {
+	case msg := <-msgs:
+		assert.Equal(t, "committed", string(msg.Payload))
+		msg.Ack()
+	case <-ctx.Done():
+		t.Fatal("the committed message never came")
+	}
+
+	delayed := message.NewMessage(watermill.NewUUID(), nil)
+	delayed.Metadata.Set("_watermill_delayed_until", time.Now().Add(time.Hour).UTC().Format(time.RFC3339))
+	assert.Error(t, pub.Publish(topic, delayed), "a delayed message is refused on SQLite")
+	var n int
+	require.NoError(t, handle.QueryRowContext(ctx, `SELECT count(*) FROM "sqlbroker_`+topic+`_messages"`).Scan(&n))
+	assert.Equal(t, 1, n, "only the committed message was written")
+
+	_, err = sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxAttempts: 3}, nil)
+	requireConfigError(t, err, "MaxAttempts", "SQLite")
+}
