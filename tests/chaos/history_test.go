@@ -70,11 +70,17 @@ func isLockWindow(kind string) bool {
 }
 
 // frozen: a freeze of proc longer than the lease that ended while the delivery that began at
-// began was in work, at most a lease before at.
+// began was in work, at most a lease before at. A delivery the process already held when it
+// was stopped (handed out, its handler not yet scheduled) logs its beginning only once the
+// process runs again: one that began within a second after the freeze and was lost sooner than
+// a whole lease after it had its lease from before the freeze (a claim made after the freeze
+// holds a whole lease), so the freeze explains it too.
 func (c *checker) frozen(proc string, began, at time.Time) (string, bool) {
 	ttl, _, _ := c.lease(proc)
 	for _, f := range c.faults {
-		if f.Kind == faultFreeze && hits(f, proc) && f.End.Sub(f.Start) >= ttl && began.Before(f.End) &&
+		heldThrough := began.Before(f.End) ||
+			(began.Before(f.End.Add(time.Second)) && at.Sub(began) < ttl)
+		if f.Kind == faultFreeze && hits(f, proc) && f.End.Sub(f.Start) >= ttl && heldThrough &&
 			!at.Before(f.Start) && at.Before(f.End.Add(ttl+2*time.Second)) {
 			return fmt.Sprintf("frozen for %s (lease %s)", f.End.Sub(f.Start).Round(time.Millisecond), ttl), true
 		}
