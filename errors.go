@@ -49,7 +49,7 @@ type NameError struct {
 }
 
 func (e *NameError) Error() string {
-	return fmt.Sprintf("invalid %s %q: %s", e.Field, e.Value, e.Reason)
+	return (&ident.NameError{Field: e.Field, Value: e.Value, Reason: e.Reason}).Error()
 }
 
 // MissingTableError says that a table of a topic does not exist and how to create it:
