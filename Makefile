@@ -32,7 +32,7 @@ chaos-soak:
 # configuration), one test at a time: under -race on two cores, the 50-subscriber tests slow
 # the test running beside them past the suite's fixed 15 s read windows (each passes alone).
 test-universal:
-	go test -race -count=1 -parallel 1 -timeout 30m -run 'TestUniversal_' ./tests/
+	go test -race -count=1 -parallel 1 -timeout 60m -run 'TestUniversal_' ./tests/
 
 # Watermill's TestReconnect restarts PostgreSQL. It runs in its own pass, alone, and without
 # -race: the universal suite's TestReconnect reads a slice its own goroutine appends to
