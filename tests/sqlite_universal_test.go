@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"os"
 	"testing"
 	"time"
 
@@ -95,8 +96,14 @@ func TestUniversal_SQLite(t *testing.T) {
 }
 
 // TestUniversal_SQLiteOrdered runs the suite in the ordered configuration (one message in
-// flight, one subscriber), through Open.
+// flight, one subscriber), through Open. One message at a time through SQLite's single writer
+// under -race takes longer than the rest of the universal pass together (its
+// TestContinueAfterSubscribeClose alone ran past two minutes), so it runs only when
+// SQLBROKER_TEST_SQLITE_ORDERED=1; PostgreSQL's ordered run stays in every pass.
 func TestUniversal_SQLiteOrdered(t *testing.T) {
+	if os.Getenv("SQLBROKER_TEST_SQLITE_ORDERED") != "1" {
+		t.Skip("set SQLBROKER_TEST_SQLITE_ORDERED=1 to run the ordered suite on SQLite")
+	}
 	pubSub, groupPubSub := sqliteConstructors(t, true, true)
 	tests.TestPubSub(t, sqliteFeatures(true), pubSub, groupPubSub)
 }
