@@ -113,7 +113,7 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 		r.onStart()
 	}
 	var prof *serverProfile
-	if b.cfg.serverProfile && r.profile != "" {
+	if b.cfg.serverProfile && r.profile != "" && !e.c.onSQLite() {
 		prof = startServerProfile(ctx, b.admin, e.c.appName(), 100*time.Millisecond)
 	}
 	start := time.Now()
@@ -173,7 +173,7 @@ func scenarioDrain(ctx context.Context, b *bench, c contender) error {
 	}
 	defer e.close()
 	defer b.dropTopic(c, topic)
-	if b.cfg.explain && c.isLibrary() {
+	if b.cfg.explain && c.isLibrary() && !c.onSQLite() {
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 1, %s, %d rows, group at the head", c, b.cfg.drainN), false)
 	}
 	if b.cfg.traceSQL {
@@ -318,7 +318,7 @@ func (b *bench) latencyRun(ctx context.Context, c contender, elsewhere bool) (p5
 
 	var publish func(*message.Message) error
 	if elsewhere {
-		store := offsets.NewStore(libTables(topic), true)
+		store := offsets.NewStore(e.tables(topic), true)
 		publish = func(m *message.Message) error {
 			return store.Insert(ctx, e.db, []offsets.Row{{UUID: m.UUID, Payload: m.Payload, Metadata: "{}"}}, listen.Channel)
 		}
@@ -458,7 +458,7 @@ func scenarioPublish(ctx context.Context, b *bench, c contender) error {
 	}
 	msgs := newMessages(b.cfg.publishBatchN, b.payload)
 	var prof *serverProfile
-	if b.cfg.serverProfile {
+	if b.cfg.serverProfile && !c.onSQLite() {
 		prof = startServerProfile(ctx, b.admin, c.appName(), 100*time.Millisecond)
 		defer prof.halt() // when the loop below ends early
 	}
@@ -539,7 +539,7 @@ func scenarioMemory(ctx context.Context, b *bench, c contender) error {
 	}
 	defer e.close()
 	defer b.dropTopic(c, topic)
-	if b.cfg.explain && c.isLibrary() {
+	if b.cfg.explain && c.isLibrary() && !c.onSQLite() {
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 6, %s, %d rows, group at the head", c, b.cfg.memoryN), false)
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 6, %s, %d rows, group at the tail", c, b.cfg.memoryN), true)
 	}
