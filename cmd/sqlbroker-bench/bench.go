@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"runtime"
 	"sort"
 	"strings"
@@ -54,6 +55,20 @@ func newBench(ctx context.Context, cfg *config) (*bench, error) {
 	}
 	id := make([]byte, 3)
 	_, _ = rand.Read(id)
+	for _, c := range cfg.contenders {
+		if c.onSQLite() {
+			dir, err := os.MkdirTemp(cfg.sqliteDir, "sqlbroker-bench-")
+			if err != nil {
+				admin.Close()
+				return nil, fmt.Errorf("-sqlite-dir: %w", err)
+			}
+			if cfg.sqliteDir, err = filepath.Abs(dir); err != nil {
+				admin.Close()
+				return nil, fmt.Errorf("-sqlite-dir: %w", err)
+			}
+			break
+		}
+	}
 	return &bench{
 		cfg:     cfg,
 		admin:   admin,
@@ -89,6 +104,20 @@ func (b *bench) cleanup() {
 		fmt.Fprintln(os.Stderr, "sqlbroker-bench: clean-up:", err)
 	}
 	b.admin.Close()
+	if b.usesSQLite() {
+		if err := os.RemoveAll(b.cfg.sqliteDir); err != nil {
+			fmt.Fprintln(os.Stderr, "sqlbroker-bench: clean-up:", err)
+		}
+	}
+}
+
+func (b *bench) usesSQLite() bool {
+	for _, c := range b.cfg.contenders {
+		if c.onSQLite() {
+			return true
+		}
+	}
+	return false
 }
 
 // addTrace keeps a table (SQL timings, a server profile) to print after the results.
@@ -113,6 +142,9 @@ func (b *bench) describe() {
 	fmt.Printf("- date: %s\n", time.Now().UTC().Format(time.RFC3339))
 	fmt.Printf("- host: %s, %s/%s, %d CPUs (GOMAXPROCS %d), %s\n", host, runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), memTotal())
 	fmt.Printf("- PostgreSQL %s at %s; Go %s\n", pgVersion, redact(b.cfg.url), runtime.Version())
+	if b.usesSQLite() {
+		fmt.Printf("- %s\n", sqliteDescription(b.cfg.sqliteDir))
+	}
 	fmt.Printf("- command: %s\n", strings.Join(os.Args, " "))
 	c := b.cfg
 	fmt.Printf("- sizes: payload %d B, pool %d conns per contender, drain %d, slow backlog %d over %s (handler %s), "+

@@ -17,16 +17,18 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
-// contender is one of the things measured: the library in one claim mode, or watermill-sql.
+// contender is one of the things measured: the library in one claim mode on PostgreSQL, the
+// library on SQLite, or watermill-sql.
 type contender int
 
 const (
 	lease contender = iota
 	advisory
 	watermillSQL
+	sqliteLease
 )
 
-var contenderNames = [...]string{lease: "lease", advisory: "advisory", watermillSQL: "watermill-sql"}
+var contenderNames = [...]string{lease: "lease", advisory: "advisory", watermillSQL: "watermill-sql", sqliteLease: "sqlite"}
 
 func (c contender) String() string { return contenderNames[c] }
 
@@ -41,6 +43,10 @@ func contenderByName(s string) (contender, bool) {
 
 func (c contender) isLibrary() bool { return c != watermillSQL }
 
+// onSQLite reports whether c runs on SQLite (its lease mode, on a file of its own per scenario)
+// rather than on the PostgreSQL of -url.
+func (c contender) onSQLite() bool { return c == sqliteLease }
+
 // appName marks the contender's server backends in pg_stat_activity, so that their CPU time can
 // be read from /proc.
 func (c contender) appName() string { return "sqlbroker-bench-" + c.String() }
@@ -53,14 +59,26 @@ const group = "bench"
 
 // env is one contender's pool for one scenario: every scenario starts from a fresh pool of the
 // same size for every contender, so no contender inherits another's connections or caches.
+//
+// On SQLite, an env is a fresh database file (or, with share, the file of another env: a
+// second consumer process of the same database), opened the way a program would, with
+// sqlbroker.Open on a sqlite: URL; db is a second pool on that file with the same settings,
+// for the library's statements run without a Publisher or Subscriber and for reading state.
 type env struct {
 	c    contender
 	cfg  *config
-	pool *pgxpool.Pool
-	db   *dbx.PgxPool
+	pool *pgxpool.Pool // PostgreSQL contenders
+	db   dbx.Pool      // the library's statements run here without Watermill
+
+	broker *sqlbroker.Broker // SQLite: what publishers and subscribers come from
+	file   string            // SQLite: the database file
+	owner  bool              // SQLite: this env made the file and removes it on close
 }
 
 func openEnv(ctx context.Context, cfg *config, c contender) (*env, error) {
+	if c.onSQLite() {
+		return openSQLiteEnv(cfg, "")
+	}
 	pc, err := pgxpool.ParseConfig(cfg.url)
 	if err != nil {
 		return nil, fmt.Errorf("-url: %w", err)
@@ -112,7 +130,13 @@ func warm(ctx context.Context, pool *pgxpool.Pool, n int) error {
 	return nil
 }
 
-func (e *env) close() { e.pool.Close() }
+func (e *env) close() {
+	if e.c.onSQLite() {
+		e.closeSQLite()
+		return
+	}
+	e.pool.Close()
+}
 
 // watermill-sql's adapters: its default PostgreSQL schema and offsets adapter, with a BYTEA
 // payload column (its default column type is JSON, which a binary payload cannot use).
@@ -126,6 +150,14 @@ func wsqlOffsets() wsql.DefaultPostgreSQLOffsetsAdapter {
 
 func libTables(topic string) offsets.Tables {
 	return offsets.NewTables("", sqlbroker.DefaultTablePrefix, topic)
+}
+
+// tables are the library's tables of topic in e's database.
+func (e *env) tables(topic string) offsets.Tables {
+	if e.c.onSQLite() {
+		return libTables(topic).OnSQLite()
+	}
+	return libTables(topic)
 }
 
 // tableNames are the quoted names of the tables a contender creates for topic.
@@ -149,12 +181,15 @@ func (e *env) createTopic(ctx context.Context, topic string) error {
 		defer sub.Close()
 		return sub.SubscribeInitialize(topic)
 	}
-	return libTables(topic).Create(ctx, e.db)
+	return e.tables(topic).Create(ctx, e.db)
 }
 
 func (e *env) publisher() (message.Publisher, error) {
 	if e.c == watermillSQL {
 		return wsql.NewPublisher(wsql.BeginnerFromPgx(e.pool), wsql.PublisherConfig{SchemaAdapter: wsqlSchema()}, nil)
+	}
+	if e.c.onSQLite() {
+		return e.broker.NewPublisher(sqlbroker.PublisherConfig{})
 	}
 	return sqlbroker.NewPublisher(sqlbroker.Pgx(e.pool), sqlbroker.PublisherConfig{}, nil)
 }
@@ -167,6 +202,8 @@ func (e *env) subscriber(maxInFlight int) (message.Subscriber, error) {
 		return wsql.NewSubscriber(wsql.BeginnerFromPgx(e.pool), wsql.SubscriberConfig{
 			ConsumerGroup: group, SchemaAdapter: wsqlSchema(), OffsetsAdapter: wsqlOffsets(),
 		}, nil)
+	case sqliteLease:
+		return e.broker.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: group, MaxInFlight: maxInFlight})
 	default:
 		mode := sqlbroker.ClaimLease
 		if e.c == advisory {
@@ -196,6 +233,9 @@ func (e *env) checkSubscriber() error {
 // database: the library has no claim left and its position at the last message; watermill-sql
 // has acked the last offset.
 func (e *env) drained(ctx context.Context, topic string) (bool, error) {
+	if e.c.onSQLite() {
+		return e.drainedSQLite(ctx, topic)
+	}
 	var ok bool
 	var q string
 	if e.c == watermillSQL {
@@ -247,6 +287,9 @@ func dropTables(url string, byContender map[contender][]string) error {
 	defer conn.Close(ctx)
 	var errs []error
 	for c, topics := range byContender {
+		if c.onSQLite() {
+			continue // the database file goes with its env
+		}
 		for _, topic := range topics {
 			for _, t := range c.tableNames(topic) {
 				if _, err := conn.Exec(ctx, "DROP TABLE IF EXISTS "+t); err != nil {

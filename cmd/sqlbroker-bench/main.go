@@ -3,6 +3,11 @@
 // settings) on one PostgreSQL, in one run, and prints every figure with its ratio to
 // watermill-sql's figure from the same run. On a noisy machine only such ratios hold.
 //
+// The contender "sqlite" is the library on SQLite (modernc.org/sqlite, lease mode): a fresh
+// database file per scenario in -sqlite-dir, opened with sqlbroker.Open on a sqlite: URL as a
+// program would. Its figures are not compared with watermill-sql's (another database); row 7e
+// compares its drain with the raw limit of its own statements, measured in the same run.
+//
 // It is a module of its own, so that watermill-sql is a dependency of the benchmark only and
 // never of the library's users. From the repository's root:
 //
@@ -27,7 +32,8 @@
 //     handler: messages and claims per second
 //
 // Scenarios 1-7 run by default; 8-10 when named. Scenarios 8 and 9 read the transaction count
-// of the whole database (pg_stat_database): point -url at a database nothing else uses.
+// of the whole database (pg_stat_database): point -url at a database nothing else uses; they
+// do not apply to SQLite.
 //
 // Every topic gets a unique name and every table created is dropped at the end.
 package main
@@ -55,6 +61,7 @@ type config struct {
 	verbose       bool
 	traceSQL      bool
 	serverProfile bool
+	sqliteDir     string // the run's directory of SQLite files, made inside -sqlite-dir
 
 	drainN          int           // 1
 	drainInFlight   int           // 1
@@ -98,13 +105,14 @@ func parseFlags() (*config, error) {
 	c := &config{}
 	quick := flag.Bool("quick", false, "CI-sized run: small backlogs and short durations (explicit size flags still win)")
 	scen := flag.String("scenarios", "1,2,3,4,5,6,7", "scenarios to run, by number or name (drain,slow,instances,latency,publish,memory,raw,idle,many,group)")
-	cont := flag.String("contenders", "lease,advisory,watermill-sql", "contenders to run")
+	cont := flag.String("contenders", "lease,advisory,watermill-sql,sqlite", "contenders to run (lease, advisory, watermill-sql, sqlite)")
+	flag.StringVar(&c.sqliteDir, "sqlite-dir", os.TempDir(), "the sqlite contender's database files go in a new directory inside this one (local disk: not a tmpfs, or commits cost nothing)")
 	flag.StringVar(&c.url, "url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL")
 	flag.IntVar(&c.poolSize, "pool", 20, "connections in each contender's pool")
 	flag.IntVar(&c.payloadSize, "payload", 256, "payload bytes per message")
 	flag.DurationVar(&c.timeout, "timeout", 60*time.Minute, "bound on the whole run")
 	flag.StringVar(&c.svgPath, "svg", "", "write an SVG bar chart of the results to this path")
-	flag.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of each contender's timed drain (scenario 1) to this path, the contender's name inserted before the extension")
+	flag.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of each contender's timed drain (scenario 1) to this path, the contender's name inserted before the extension, and of its four-subscriber run (scenario 3) with -instances4 after the name")
 	flag.BoolVar(&c.verbose, "v", false, "log progress to stderr")
 	flag.BoolVar(&c.traceSQL, "trace-sql", false, "time every statement on the client side (pgx tracer) and print a table per contender and scenario; slows the run a little")
 	flag.BoolVar(&c.serverProfile, "server-profile", false, "sample pg_stat_activity every 100ms during the drains (scenarios 1 and 6) and batched publishing (5a) and print where the server's time went: the contender's backends, autovacuum, background writes")
@@ -183,7 +191,7 @@ func parseFlags() (*config, error) {
 		}
 		k, ok := contenderByName(s)
 		if !ok {
-			return nil, fmt.Errorf("-contenders: %q is not one of lease, advisory, watermill-sql", s)
+			return nil, fmt.Errorf("-contenders: %q is not one of lease, advisory, watermill-sql, sqlite", s)
 		}
 		c.contenders = append(c.contenders, k)
 	}
@@ -228,6 +236,7 @@ func run() error {
 
 	b.describe()
 	runErr := b.runScenarios(ctx)
+	b.results.derive(cfg.contenders)
 	if runErr != nil && errors.Is(runErr, context.DeadlineExceeded) {
 		runErr = fmt.Errorf("%w (%v)", runErr, context.Cause(ctx))
 	}

@@ -189,10 +189,15 @@ func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond)
 
 func mib(b uint64) float64 { return float64(b) / (1 << 20) }
 
-// profilePath inserts the contender's name before the extension of path.
-func profilePath(path string, c contender) string {
+// profilePath inserts the contender's name, and the run's when it is not "", before the
+// extension of path.
+func profilePath(path string, c contender, run string) string {
 	ext := filepath.Ext(path)
-	return strings.TrimSuffix(path, ext) + "-" + c.String() + ext
+	name := "-" + c.String()
+	if run != "" {
+		name += "-" + run
+	}
+	return strings.TrimSuffix(path, ext) + name + ext
 }
 
 // startProfile starts a CPU profile to path and returns what stops it; a failure to start is

@@ -115,7 +115,7 @@ func (r *rawOps) insert(ctx context.Context, topic string, msgs []*message.Messa
 	for i, m := range msgs {
 		rows[i] = offsets.Row{UUID: m.UUID, Payload: m.Payload, Metadata: "{}"}
 	}
-	return offsets.NewStore(libTables(topic), true).Insert(ctx, r.e.db, rows, "")
+	return offsets.NewStore(r.e.tables(topic), true).Insert(ctx, r.e.db, rows, "")
 }
 
 // drain claims and acks batches of 100 until want messages were settled. An empty claim while
@@ -208,7 +208,7 @@ func (r *rawOps) claimAcker(ctx context.Context, topic string) (func() (int, err
 		}, nil
 	}
 
-	store := offsets.NewStore(libTables(topic), true)
+	store := offsets.NewStore(r.e.tables(topic), true)
 	gid, err := store.EnsureGroup(ctx, r.e.db, group, false)
 	if err != nil {
 		return nil, err

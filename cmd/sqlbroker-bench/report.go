@@ -50,6 +50,7 @@ func rowDefs(c *config) []rowDef {
 		{"7b", 7, fmt.Sprintf("raw insert, 1 row, %d goroutines", c.publishWorkers), "msg/s", false},
 		{"7c", 7, "raw claim+ack, batches of 100, 1 goroutine", "msg/s", false},
 		{"7d", 7, "raw insert, 1 row, 1 goroutine (the commit floor)", "msg/s", false},
+		{"7e", 7, fmt.Sprintf("  drain %s (row 1) / raw claim+ack (row 7c)", n(c.drainN)), "x", false},
 		{"8a", 8, fmt.Sprintf("idle, %d subscriptions (advisory %d), pgx: per subscription", c.idleSubs, c.idleLockSubs), "tx/s", true},
 		{"8b", 8, fmt.Sprintf("idle, %d subscriptions (advisory %d), database/sql: per subscription", c.idleSubs, c.idleLockSubs), "tx/s", true},
 		{"9a", 9, fmt.Sprintf("%d subscriptions (advisory %d), pgx: connections", c.manySubs, c.idleLockSubs), "conns", true},
@@ -160,16 +161,38 @@ func formatRatio(v float64) string {
 	}
 }
 
-// markdown renders the table: every library figure beside its ratio to watermill-sql's figure
-// in the same run (value / watermill-sql's value, whatever the direction of the unit).
+// derive fills the rows computed from others of the same run: 7e, how much of the raw limit of
+// its own claim and settle statements (7c) a contender's end-to-end drain (1) reaches.
+func (r *results) derive(cs []contender) {
+	for _, c := range cs {
+		if !c.isLibrary() {
+			continue
+		}
+		d, ok1 := r.get("1", c)
+		raw, ok2 := r.get("7c", c)
+		if ok1 && ok2 && d.ok && raw.ok && raw.v > 0 {
+			r.set("7e", c, d.v/raw.v)
+		}
+	}
+}
+
+// comparedWithPeer reports whether c's figures get a ratio to watermill-sql's: the library on
+// the same PostgreSQL does; on SQLite it runs on another database, where a ratio would say
+// nothing about either.
+func (c contender) comparedWithPeer() bool { return c.isLibrary() && !c.onSQLite() }
+
+// markdown renders the table: every library figure on PostgreSQL beside its ratio to
+// watermill-sql's figure in the same run (value / watermill-sql's value, whatever the
+// direction of the unit).
 func (r *results) markdown(cs []contender) string {
 	var b strings.Builder
 	var libs []contender
 	hasPeer := false
 	for _, c := range cs {
-		if c.isLibrary() {
+		switch {
+		case c.comparedWithPeer():
 			libs = append(libs, c)
-		} else {
+		case c == watermillSQL:
 			hasPeer = true
 		}
 	}
@@ -266,7 +289,7 @@ func (r *results) svg(cs []contender) string {
 	for _, d := range r.defs {
 		var bars []bar
 		for _, c := range cs {
-			if !c.isLibrary() {
+			if !c.comparedWithPeer() {
 				continue
 			}
 			v, ok := r.ratioValue(d.id, c)

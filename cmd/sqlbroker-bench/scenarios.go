@@ -113,7 +113,7 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 		r.onStart()
 	}
 	var prof *serverProfile
-	if b.cfg.serverProfile && r.profile != "" {
+	if b.cfg.serverProfile && r.profile != "" && !e.c.onSQLite() {
 		prof = startServerProfile(ctx, b.admin, e.c.appName(), 100*time.Millisecond)
 	}
 	start := time.Now()
@@ -162,6 +162,23 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 	return res, waitErr
 }
 
+// profiled makes r write a CPU profile of its timed part to path, with -cpuprofile.
+func (b *bench) profiled(r routerRun, path, what string) routerRun {
+	if b.cfg.cpuProfile == "" {
+		return r
+	}
+	var stop func() error
+	r.onStart = func() { stop = startProfile(path, b) }
+	r.onStop = func() {
+		if stop != nil {
+			if err := stop(); err != nil {
+				b.results.note(fmt.Sprintf("%s: CPU profile: %v", what, err))
+			}
+		}
+	}
+	return r
+}
+
 func rate(n int64, d time.Duration) float64 { return float64(n) / d.Seconds() }
 
 // Scenario 1: drain a backlog through a Router, no-op handler; timed from Run until the
@@ -173,28 +190,15 @@ func scenarioDrain(ctx context.Context, b *bench, c contender) error {
 	}
 	defer e.close()
 	defer b.dropTopic(c, topic)
-	if b.cfg.explain && c.isLibrary() {
+	if b.cfg.explain && c.isLibrary() && !c.onSQLite() {
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 1, %s, %d rows, group at the head", c, b.cfg.drainN), false)
 	}
 	if b.cfg.traceSQL {
 		sqlTracer.reset(c.appName())
 	}
-	var stopProfile func() error
-	res, err := b.runRouter(ctx, e, topic, routerRun{instances: 1, stopAt: b.cfg.drainN, drain: true, maxInFlight: b.cfg.drainInFlight,
+	res, err := b.runRouter(ctx, e, topic, b.profiled(routerRun{instances: 1, stopAt: b.cfg.drainN, drain: true, maxInFlight: b.cfg.drainInFlight,
 		profile: fmt.Sprintf("%s, scenario 1, %d messages", c, b.cfg.drainN),
-		onStart: func() {
-			if b.cfg.cpuProfile != "" {
-				stopProfile = startProfile(profilePath(b.cfg.cpuProfile, c), b)
-			}
-		},
-		onStop: func() {
-			if stopProfile != nil {
-				if err := stopProfile(); err != nil {
-					b.results.note(fmt.Sprintf("%s, scenario 1: CPU profile: %v", c, err))
-				}
-			}
-		},
-	})
+	}, profilePath(b.cfg.cpuProfile, c, ""), fmt.Sprintf("%s, scenario 1", c)))
 	if err != nil {
 		return err
 	}
@@ -265,7 +269,8 @@ func scenarioInstances(ctx context.Context, b *bench, c contender) error {
 		return err
 	}
 	b.results.set("3a", c, one)
-	four, err := b.windowRun(ctx, c, "inst4", routerRun{instances: 4, maxInFlight: inFlight, sleep: b.cfg.slowHandler})
+	four, err := b.windowRun(ctx, c, "inst4", b.profiled(routerRun{instances: 4, maxInFlight: inFlight, sleep: b.cfg.slowHandler},
+		profilePath(b.cfg.cpuProfile, c, "instances4"), fmt.Sprintf("%s, scenario 3", c)))
 	if err != nil {
 		return err
 	}
@@ -318,7 +323,7 @@ func (b *bench) latencyRun(ctx context.Context, c contender, elsewhere bool) (p5
 
 	var publish func(*message.Message) error
 	if elsewhere {
-		store := offsets.NewStore(libTables(topic), true)
+		store := offsets.NewStore(e.tables(topic), true)
 		publish = func(m *message.Message) error {
 			return store.Insert(ctx, e.db, []offsets.Row{{UUID: m.UUID, Payload: m.Payload, Metadata: "{}"}}, listen.Channel)
 		}
@@ -458,7 +463,7 @@ func scenarioPublish(ctx context.Context, b *bench, c contender) error {
 	}
 	msgs := newMessages(b.cfg.publishBatchN, b.payload)
 	var prof *serverProfile
-	if b.cfg.serverProfile {
+	if b.cfg.serverProfile && !c.onSQLite() {
 		prof = startServerProfile(ctx, b.admin, c.appName(), 100*time.Millisecond)
 		defer prof.halt() // when the loop below ends early
 	}
@@ -539,7 +544,7 @@ func scenarioMemory(ctx context.Context, b *bench, c contender) error {
 	}
 	defer e.close()
 	defer b.dropTopic(c, topic)
-	if b.cfg.explain && c.isLibrary() {
+	if b.cfg.explain && c.isLibrary() && !c.onSQLite() {
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 6, %s, %d rows, group at the head", c, b.cfg.memoryN), false)
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 6, %s, %d rows, group at the tail", c, b.cfg.memoryN), true)
 	}
