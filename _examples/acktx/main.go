@@ -1,12 +1,15 @@
 // Command acktx handles messages exactly once inside the database: the handler writes its
 // result and acks the message in one transaction (sqlbroker.PgxTxHandler, which calls
-// sqlbroker.AckInTx), so a message is either handled and settled, or neither.
+// sqlbroker.AckInTx), so a message is either handled and settled, or neither. One order fails
+// on its first attempt after its row was written: the transaction rolls back, the message comes
+// back, and the table still ends with exactly one row per message. The example drops its tables.
 //
 //	go run ./_examples/acktx -url postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log"
@@ -54,13 +57,24 @@ func run(url string, count int) error {
 		return err
 	}
 	defer pub.Close()
-	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "acktx-example", InitializeSchema: true}, logger)
+	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{
+		ConsumerGroup:    "acktx-example",
+		InitializeSchema: true,
+		NackBackoff:      100 * time.Millisecond, // the failed order comes back quickly
+	}, logger)
 	if err != nil {
 		return err
 	}
 	defer sub.Close()
 
 	topic := "acktx-example." + watermill.NewShortUUID()
+	defer func() {
+		// The topic's tables, dropped once the subscriber and publisher are closed (deferred
+		// calls run last first).
+		if ddl, err := sqlbroker.DropSQL(topic, "", ""); err == nil {
+			_, _ = pool.Exec(context.Background(), ddl)
+		}
+	}()
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
 	if err != nil {
 		return err
@@ -76,6 +90,12 @@ func run(url string, count int) error {
 				msg.UUID, string(msg.Payload)); err != nil {
 				return err
 			}
+			attempt := msg.Metadata.Get(sqlbroker.MetadataAttempt)
+			if string(msg.Payload) == "order #3" && attempt == "1" {
+				fmt.Printf("%s, attempt %s: row written, then the handler failed: row and ack roll back together\n", msg.Payload, attempt)
+				return errors.New("order #3 fails on its first attempt")
+			}
+			fmt.Printf("%s, attempt %s: row written and message acked in one commit\n", msg.Payload, attempt)
 			handled <- struct{}{}
 			return nil
 		}))
@@ -106,6 +126,7 @@ func run(url string, count int) error {
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+orders).Scan(&rows); err != nil {
 		return err
 	}
-	fmt.Printf("handled %d messages; the orders table holds %d rows\n", count, rows)
+	fmt.Printf("handled %d messages; the orders table holds %d rows, one per message (the failed attempt left none)\n", count, rows)
+	fmt.Println("dropping the example's tables")
 	return nil
 }

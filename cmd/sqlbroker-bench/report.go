@@ -272,14 +272,16 @@ func (r *results) ratio(id string, c contender) string {
 	return "-"
 }
 
-// svg draws, for every row, how many times better than watermill-sql each claim mode of the
-// library did (the ratio, inverted where lower is better), on a log scale, with watermill-sql
-// at 1x. Hand-written SVG: no dependency.
+// svg draws, for every row, each claim mode's figure over watermill-sql's figure in the same
+// run: the ratio of the table's last columns, in the same direction (never inverted), on a log
+// scale with watermill-sql at 1x. Every row says which side is better, so a bar to the left of
+// 1x is the library ahead on a lower-is-better row. A ratio beyond the axis is drawn to the axis
+// end with an arrow, and its true value is written beside it. Hand-written SVG: no dependency.
 func (r *results) svg(cs []contender) string {
 	type bar struct {
-		c   contender
-		adv float64
-		raw string
+		c     contender
+		ratio float64
+		raw   string
 	}
 	type line struct {
 		label string
@@ -296,42 +298,41 @@ func (r *results) svg(cs []contender) string {
 			if !ok || v <= 0 {
 				continue
 			}
-			adv := v
-			if d.lowerBetter {
-				adv = 1 / v
-			}
-			bars = append(bars, bar{c: c, adv: adv, raw: fmt.Sprintf("%s vs %s %s", r.show(d.id, c), r.show(d.id, watermillSQL), d.unit)})
+			bars = append(bars, bar{c: c, ratio: v, raw: fmt.Sprintf("%s vs %s %s", r.show(d.id, c), r.show(d.id, watermillSQL), d.unit)})
 		}
 		if len(bars) > 0 {
-			lines = append(lines, line{label: d.id + "  " + strings.TrimSpace(d.name), bars: bars})
+			better := "higher is better"
+			if d.lowerBetter {
+				better = "lower is better"
+			}
+			lines = append(lines, line{label: fmt.Sprintf("%s  %s (%s)", d.id, strings.TrimSpace(d.name), better), bars: bars})
 		}
 	}
 	const (
-		width   = 1060
-		labelW  = 360
-		plotW   = 440
+		width   = 1160
+		labelW  = 450 // the plot starts here; labels end well before it, clear of an arrow head
+		plotW   = 450
 		barH    = 14
 		gap     = 10
 		top     = 70
-		minLog  = -2.0 // 0.01x
+		minLog  = -3.0 // 0.001x
 		maxLog  = 3.0  // 1000x
 		leftPad = 10
+		arrow   = 7.0 // length of the arrow head on a clipped bar
 	)
 	colors := map[contender]string{lease: "#2b6cb0", advisory: "#38a169"}
 	height := top + 40
 	for _, l := range lines {
 		height += len(l.bars)*barH + gap
 	}
-	x := func(adv float64) float64 {
-		lg := math.Log10(adv)
-		lg = math.Max(minLog, math.Min(maxLog, lg))
+	pos := func(lg float64) float64 {
 		return labelW + (lg-minLog)/(maxLog-minLog)*plotW
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", width, height)
 	fmt.Fprintf(&b, `<rect width="100%%" height="100%%" fill="white"/>`+"\n")
-	fmt.Fprintf(&b, `<text x="%d" y="22" font-size="15" font-weight="bold">watermill-sqlbroker vs watermill-sql (same run): times better, log scale</text>`+"\n", leftPad)
-	fmt.Fprintf(&b, `<text x="%d" y="40" fill="#555">bar = library figure / watermill-sql figure (inverted where lower is better); the red line is watermill-sql (1x)</text>`+"\n", leftPad)
+	fmt.Fprintf(&b, `<text x="%d" y="22" font-size="15" font-weight="bold">watermill-sqlbroker / watermill-sql (same run), log scale</text>`+"\n", leftPad)
+	fmt.Fprintf(&b, `<text x="%d" y="40" fill="#555">bar = library figure / watermill-sql figure, as in the table; the red line is watermill-sql (1x); an arrow marks a bar cut at the axis end, its true ratio written beside</text>`+"\n", leftPad)
 	lx := leftPad
 	for _, c := range cs {
 		if col, ok := colors[c]; ok {
@@ -341,7 +342,7 @@ func (r *results) svg(cs []contender) string {
 	}
 	// Grid.
 	for lg := minLog; lg <= maxLog; lg++ {
-		gx := labelW + (lg-minLog)/(maxLog-minLog)*plotW
+		gx := pos(lg)
 		stroke := "#ddd"
 		if lg == 0 {
 			stroke = "#c53030"
@@ -354,15 +355,32 @@ func (r *results) svg(cs []contender) string {
 		blockH := len(l.bars) * barH
 		fmt.Fprintf(&b, `<text x="%d" y="%d">%s</text>`+"\n", leftPad, y+blockH/2+4, html.EscapeString(l.label))
 		for i, br := range l.bars {
-			by := y + i*barH
-			x0, x1 := x(1), x(br.adv)
+			by := float64(y + i*barH)
+			lg := math.Log10(br.ratio)
+			clipped := lg > maxLog || lg < minLog
+			end := pos(math.Max(minLog, math.Min(maxLog, lg)))
+			x0, x1 := pos(0), end
 			if x1 < x0 {
 				x0, x1 = x1, x0
 			}
-			fmt.Fprintf(&b, `<rect x="%.1f" y="%d" width="%.1f" height="%d" fill="%s"><title>%s: %s</title></rect>`+"\n",
-				x0, by+1, math.Max(x1-x0, 1), barH-2, colors[br.c], br.c, html.EscapeString(br.raw))
-			fmt.Fprintf(&b, `<text x="%d" y="%d" font-size="10" fill="#333">%s (%s)</text>`+"\n",
-				labelW+plotW+8, by+barH-3, formatRatio(br.adv), html.EscapeString(br.raw))
+			col := colors[br.c]
+			fmt.Fprintf(&b, `<rect x="%.1f" y="%.0f" width="%.1f" height="%d" fill="%s"><title>%s: %s</title></rect>`+"\n",
+				x0, by+1, math.Max(x1-x0, 1), barH-2, col, br.c, html.EscapeString(br.raw))
+			mark := ""
+			if clipped {
+				// An arrow head past the axis end, pointing the way the bar goes on.
+				dir := 1.0
+				mark = "› "
+				if lg < minLog {
+					dir = -1
+					mark = "‹ "
+				}
+				fmt.Fprintf(&b, `<polygon points="%.1f,%.0f %.1f,%.0f %.1f,%.0f" fill="%s"/>`+"\n",
+					end, by, end+dir*arrow, by+barH/2, end, by+barH, col)
+				mark += "clipped, "
+			}
+			fmt.Fprintf(&b, `<text x="%d" y="%.0f" font-size="10" fill="#333">%s%s (%s)</text>`+"\n",
+				labelW+plotW+12, by+barH-3, mark, formatRatio(br.ratio), html.EscapeString(br.raw))
 		}
 		y += blockH + gap
 	}
