@@ -18,6 +18,27 @@ import (
 func pgxDB(t *testing.T) sqlbroker.DB { return sqlbroker.Pgx(testdb.Pgx(t)) }
 func stdDB(t *testing.T) sqlbroker.DB { return sqlbroker.StdSQL(testdb.Std(t)) }
 
+// sqliteDB is a DB on a SQLite file of the test's own: every call opens another file, so a
+// test calls it once and hands the DB to its publishers and subscribers.
+func sqliteDB(t *testing.T) sqlbroker.DB { return sqlbroker.SQLite(testdb.SQLite(t)) }
+
+// database is a database the lease mode's tests run on.
+type database struct {
+	name string
+	open func(*testing.T) sqlbroker.DB
+}
+
+// leaseDatabases are the databases of the lease mode: PostgreSQL (through pgx) and SQLite.
+var leaseDatabases = []database{{"pgx", pgxDB}, {"sqlite", sqliteDB}}
+
+// modes are the claim modes the database runs: SQLite has the lease mode only.
+func (d database) modes() []sqlbroker.ClaimMode {
+	if d.name == "sqlite" {
+		return []sqlbroker.ClaimMode{sqlbroker.ClaimLease}
+	}
+	return claimModes
+}
+
 func newPublisher(t *testing.T, db sqlbroker.DB) *sqlbroker.Publisher {
 	t.Helper()
 	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
@@ -28,8 +49,14 @@ func newPublisher(t *testing.T, db sqlbroker.DB) *sqlbroker.Publisher {
 
 func newSubscriber(t *testing.T, cfg sqlbroker.SubscriberConfig) *sqlbroker.Subscriber {
 	t.Helper()
+	return newSubscriberOn(t, pgxDB(t), cfg)
+}
+
+// newSubscriberOn is newSubscriber on db.
+func newSubscriberOn(t *testing.T, db sqlbroker.DB, cfg sqlbroker.SubscriberConfig) *sqlbroker.Subscriber {
+	t.Helper()
 	cfg.InitializeSchema = true
-	sub, err := sqlbroker.NewSubscriber(pgxDB(t), cfg, nil)
+	sub, err := sqlbroker.NewSubscriber(db, cfg, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sub.Close() })
 	return sub
