@@ -423,8 +423,5 @@ func (c *SubscriberConfig) validateSQLite() error {
 	if c.Schema != "" {
 		return &ConfigError{Field: "Schema", Value: c.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
 	}
-	if c.MaxAttempts > 0 {
-		return &ConfigError{Field: "MaxAttempts", Value: c.MaxAttempts, Reason: "is not supported on SQLite yet (the dead-letter move is PostgreSQL's): leave it 0 and use Watermill's PoisonQueue middleware"}
-	}
 	return nil
 }

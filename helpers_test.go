@@ -2,12 +2,14 @@ package sqlbroker_test
 
 import (
 	"context"
+	"database/sql"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
@@ -30,6 +32,54 @@ type database struct {
 
 // leaseDatabases are the databases of the lease mode: PostgreSQL (through pgx) and SQLite.
 var leaseDatabases = []database{{"pgx", pgxDB}, {"sqlite", sqliteDB}}
+
+// openSQL is open, with a handle that runs SQL text on the same database.
+func (d database) openSQL(t *testing.T) (sqlbroker.DB, rawSQL) {
+	if d.name == "sqlite" {
+		h := testdb.SQLite(t)
+		return sqlbroker.SQLite(h), rawSQL{lite: h}
+	}
+	return d.open(t), rawSQL{pg: testdb.Pgx(t)}
+}
+
+// rawSQL runs SQL text on a test's database, for tests that read or change its tables
+// directly. Parameters are written $1, $2, ... in order, which both databases take.
+type rawSQL struct {
+	pg   *pgxpool.Pool
+	lite *sql.DB
+}
+
+// count runs a query of one integer.
+func (r rawSQL) count(t *testing.T, query string, args ...any) int {
+	t.Helper()
+	var n int
+	if r.lite != nil {
+		require.NoError(t, r.lite.QueryRow(query, args...).Scan(&n))
+	} else {
+		require.NoError(t, r.pg.QueryRow(context.Background(), query, args...).Scan(&n))
+	}
+	return n
+}
+
+// takeAway makes the lease of the claim of offset run out, as takeAway does on PostgreSQL,
+// and waits until a claim took it again.
+func (r rawSQL) takeAway(t *testing.T, claims string, offset int64) {
+	t.Helper()
+	if r.lite == nil {
+		takeAway(t, sqlbroker.ClaimLease, claims, offset)
+		return
+	}
+	var token int64
+	if err := r.lite.QueryRow(`SELECT "token" FROM `+claims+` WHERE "offset" = $1`, offset).Scan(&token); err != nil {
+		return // settled meanwhile
+	}
+	_, _ = r.lite.Exec(`UPDATE `+claims+` SET "visible_at" = 0 WHERE "offset" = $1 AND "token" = $2`, offset, token)
+	testdb.Eventually(t, 5*time.Second, "the claim taken again", func() bool {
+		var now int64
+		err := r.lite.QueryRow(`SELECT "token" FROM `+claims+` WHERE "offset" = $1`, offset).Scan(&now)
+		return err != nil || now != token && now != 0
+	})
+}
 
 // modes are the claim modes the database runs: SQLite has the lease mode only.
 func (d database) modes() []sqlbroker.ClaimMode {

@@ -118,8 +118,7 @@ func TestSQLite_shutdownInterruptsStatementInFlight(t *testing.T) {
 }
 
 // A publisher inside the caller's SQLite transaction: its messages are seen exactly when the
-// caller commits, and never after a rollback; then MaxAttempts, which SQLite does not do yet,
-// is refused.
+// caller commits, and never after a rollback.
 func TestSQLite_txPublisherVisibleAtCommit(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -159,7 +158,4 @@ func TestSQLite_txPublisherVisibleAtCommit(t *testing.T) {
 	var n int
 	require.NoError(t, handle.QueryRowContext(ctx, `SELECT count(*) FROM "sqlbroker_`+topic+`_messages"`).Scan(&n))
 	assert.Equal(t, 1, n, "only the committed message was written")
-
-	_, err = sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxAttempts: 3}, nil)
-	requireConfigError(t, err, "MaxAttempts", "SQLite")
 }

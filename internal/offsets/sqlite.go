@@ -165,6 +165,9 @@ type sqliteStore struct {
 	nackPrefix   string
 	relPrefix    string
 	extPrefix    string
+
+	messages       string // the messages table
+	dlDeletePrefix string // the claims a dead-letter move deletes, with their attempts
 }
 
 func newSQLiteStore(t Tables) *sqliteStore {
@@ -217,6 +220,8 @@ RETURNING "group_id"`, t.Groups, t.Messages, sqliteNow)
 		return fmt.Sprintf(`UPDATE %s SET %s WHERE "group_id" = ? AND ("offset", "token") IN (VALUES `, t.Claims, set)
 	}
 	s.ackPrefix = fmt.Sprintf(`DELETE FROM %s WHERE "group_id" = ? AND ("offset", "token") IN (VALUES `, t.Claims)
+	s.dlDeletePrefix = s.ackPrefix
+	s.messages = t.Messages
 	s.nackPrefix = fenced(`"token" = 0, "visible_at" = ` + sqliteNow + ` + ?`)
 	s.relPrefix = fenced(`"token" = 0, "visible_at" = ` + sqliteNow + `, "attempts" = max("attempts" - 1, 0)`)
 	s.extPrefix = fenced(`"visible_at" = ` + sqliteNow + ` + ?`)
