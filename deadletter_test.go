@@ -3,7 +3,9 @@ package sqlbroker_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -125,6 +127,67 @@ func testDeadLetterLostClaimsCount(t *testing.T, d database) {
 	m.Ack()
 	noMessage(t, msgs, 300*time.Millisecond)
 	testdb.Eventually(t, 10*time.Second, "the claim gone", func() bool { return raw.count(t, "SELECT count(*) FROM "+claims) == 0 })
+}
+
+// The move to the dead-letter topic is all or nothing: while the dead-letter table refuses the
+// copy (a trigger), the claim stays on its topic and the move is retried; once it is
+// accepted, the message is moved once.
+func TestDeadLetter_moveIsAllOrNothing(t *testing.T) {
+	t.Parallel()
+	for _, d := range leaseDatabases {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			testDeadLetterAllOrNothing(t, d)
+		})
+	}
+}
+
+func testDeadLetterAllOrNothing(t *testing.T, d database) {
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	dead := "dead-" + topic
+	t.Cleanup(func() { testdb.DropTopic(t, "", dead) })
+	db, raw := d.openSQL(t)
+	deadSub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "ops"})
+	require.NoError(t, deadSub.SubscribeInitialize(dead))
+	deadMessages := tables(dead).Messages
+	const refusal = "dead-letter copy refused"
+	if d.name == "sqlite" {
+		raw.exec(t, `CREATE TRIGGER "refuse" BEFORE INSERT ON `+deadMessages+` BEGIN SELECT RAISE(ABORT, '`+refusal+`'); END`)
+	} else {
+		fn := `"refuse_` + topic + `"`
+		raw.exec(t, `CREATE FUNCTION `+fn+`() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION '`+refusal+`'; END $$`)
+		t.Cleanup(func() { raw.exec(t, `DROP FUNCTION IF EXISTS `+fn+`() CASCADE`) })
+		raw.exec(t, `CREATE TRIGGER "refuse" BEFORE INSERT ON `+deadMessages+` FOR EACH ROW EXECUTE FUNCTION `+fn+`()`)
+	}
+
+	pub := newPublisher(t, db)
+	sent := publish(t, pub, topic, "x")
+	log := newRecLogger()
+	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{MaxAttempts: 1, DeadLetterTopic: dead, InitializeSchema: true,
+		RetryInterval: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond}, log)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	receive(t, msgs, 10*time.Second).Nack()
+
+	testdb.Eventually(t, 10*time.Second, "the refused move to be logged", func() bool {
+		return slices.ContainsFunc(log.since(time.Time{}), func(e string) bool { return strings.Contains(e, refusal) })
+	})
+	claims := tables(topic).Claims
+	assert.Equal(t, 1, raw.count(t, "SELECT count(*) FROM "+claims), "the claim went without its copy")
+	assert.Zero(t, raw.count(t, "SELECT count(*) FROM "+deadMessages), "a copy was written without the claim's settlement")
+
+	raw.exec(t, `DROP TRIGGER "refuse"`+map[bool]string{true: "", false: " ON " + deadMessages}[d.name == "sqlite"])
+	deadMsgs, err := deadSub.Subscribe(ctx, dead)
+	require.NoError(t, err)
+	m := receive(t, deadMsgs, 10*time.Second)
+	assert.Equal(t, sent[0].UUID, m.UUID)
+	m.Ack()
+	noMessage(t, deadMsgs, 300*time.Millisecond)
+	testdb.Eventually(t, 10*time.Second, "the claim gone", func() bool { return raw.count(t, "SELECT count(*) FROM "+claims) == 0 })
+	assert.Equal(t, 1, raw.count(t, "SELECT count(*) FROM "+deadMessages), "moved more than once")
 }
 
 // A dead-letter topic name that is not a valid topic is refused, naming the field, before

@@ -61,6 +61,18 @@ func (r rawSQL) count(t *testing.T, query string, args ...any) int {
 	return n
 }
 
+// exec runs a statement.
+func (r rawSQL) exec(t *testing.T, query string, args ...any) {
+	t.Helper()
+	var err error
+	if r.lite != nil {
+		_, err = r.lite.Exec(query, args...)
+	} else {
+		_, err = r.pg.Exec(context.Background(), query, args...)
+	}
+	require.NoError(t, err)
+}
+
 // takeAway makes the lease of the claim of offset run out, as takeAway does on PostgreSQL,
 // and waits until a claim took it again.
 func (r rawSQL) takeAway(t *testing.T, claims string, offset int64) {
