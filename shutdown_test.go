@@ -37,7 +37,9 @@ func backends(t *testing.T, app string) int {
 
 // A claim blocked on the server when its subscription stops is cancelled there, and Shutdown
 // returns only once the server has ended it: no backend of the library is left running it,
-// and none holds a lock on the topic's tables (S3).
+// and none holds a lock on the topic's tables (S3). PostgreSQL only: it blocks the claim on a
+// row lock and reads pg_stat_activity and pg_locks; on SQLite a claim waits on the database's
+// write lock instead, which TestSQLite_shutdownInterruptsClaimInFlight holds.
 func TestShutdown_S3_cancelledClaimRollsBack(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
