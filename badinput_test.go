@@ -226,3 +226,33 @@ func testSchemaVersionMismatchSQLite(t *testing.T) {
 	assert.Equal(t, 0, raw.count(t, "SELECT count(*) FROM "+tables(topic).Messages))
 	assert.Equal(t, 0, raw.count(t, "SELECT count(*) FROM "+tables(topic).Groups))
 }
+
+// Topic and consumer group names may hold $, as in watermill-sql, on PostgreSQL and SQLite:
+// even a topic that spells the dollar-quote tag of the PostgreSQL schema SQL is created,
+// upgraded from schema version 1, published to and consumed.
+func TestNames_dollarSignAccepted(t *testing.T) {
+	t.Parallel()
+	for _, d := range leaseDatabases {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			topic := testdb.Topic(t, "") + "$sqlbroker$x"
+			t.Cleanup(func() { testdb.DropTopic(t, "", topic) })
+			db, raw := d.openSQL(t)
+			pub := newPublisher(t, db)
+			sent := publish(t, pub, topic, "a")
+			if d.name != "sqlite" {
+				// Back to schema version 1: InitializeSchema's upgrade runs the dollar-quoted block.
+				raw.exec(t, `ALTER TABLE `+tables(topic).Messages+` DROP COLUMN "deliver_at"; COMMENT ON TABLE `+tables(topic).Messages+` IS 'sqlbroker schema v1'`)
+			}
+			sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "g$1", PollInterval: 20 * time.Millisecond})
+			msgs, err := sub.Subscribe(ctx, topic)
+			require.NoError(t, err)
+			m := receive(t, msgs, 10*time.Second)
+			assert.Equal(t, sent[0].UUID, m.UUID)
+			m.Ack()
+			testdb.Eventually(t, 10*time.Second, "the ack", func() bool { return sub.Stats().Acked == 1 })
+			assert.Equal(t, 1, raw.count(t, `SELECT count(*) FROM `+tables(topic).Groups+` WHERE "consumer_group" = 'g$1'`))
+		})
+	}
+}
