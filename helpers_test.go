@@ -73,6 +73,22 @@ func (r rawSQL) exec(t *testing.T, query string, args ...any) {
 	require.NoError(t, err)
 }
 
+// writeLockFree asserts that no connection holds SQLite's write lock: another one takes it at
+// once, without waiting.
+func (r rawSQL) writeLockFree(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
+	c, err := r.lite.Conn(ctx)
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = c.ExecContext(ctx, "PRAGMA busy_timeout = 0")
+	require.NoError(t, err)
+	_, err = c.ExecContext(ctx, "BEGIN IMMEDIATE")
+	require.NoError(t, err, "the write lock is held")
+	_, err = c.ExecContext(ctx, "ROLLBACK")
+	require.NoError(t, err)
+}
+
 // takeAway makes the lease of the claim of offset run out, as takeAway does on PostgreSQL,
 // and waits until a claim took it again.
 func (r rawSQL) takeAway(t *testing.T, claims string, offset int64) {
