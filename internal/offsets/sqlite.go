@@ -12,7 +12,9 @@ package offsets
 // A claim is one short write transaction (BEGIN IMMEDIATE) that takes many messages; a
 // settlement is one statement for many claims, fenced by each claim's key and token like on
 // PostgreSQL. With one writer no row changes under a statement: a settlement returns exactly
-// the claims it matched and applied.
+// the claims it matched and applied. A delayed message (deliver_at) and a move to the
+// dead-letter topic work as on PostgreSQL; where PostgreSQL does it in one statement,
+// SQLite takes two in one write transaction (a DELETE cannot feed an INSERT there).
 
 import (
 	"context"
