@@ -152,7 +152,6 @@ func (t Tables) sqliteCheck(ctx context.Context, q dbx.Querier, missingOK bool) 
 type sqliteStore struct {
 	peekSQL      string // is anything waiting or due, without the write lock
 	positionSQL  string
-	nowSQL       string // SQLite's clock, read once for a claim's statements
 	readNewSQL   string
 	insClaimsSQL string
 	advanceSQL   string
@@ -178,13 +177,13 @@ func newSQLiteStore(t Tables) *sqliteStore {
 	EXISTS (SELECT 1 FROM %[2]s m WHERE m."offset" > g."last_offset"),
 	CASE WHEN ? THEN EXISTS (SELECT 1 FROM %[3]s c WHERE c."group_id" = g."group_id" AND c."visible_at" <= %[4]s) ELSE 0 END
 FROM %[1]s g WHERE g."group_id" = ?`, t.Groups, t.Messages, t.Claims, sqliteNow)
-	s.positionSQL = fmt.Sprintf(`SELECT "last_offset" FROM %s WHERE "group_id" = ?`, t.Groups)
-	// The claim of new messages reads the clock once (nowSQL), and both of its statements
-	// decide with that one value which messages are delayed (deliver_at still to come): the
-	// one that reads them and the one that writes their claim rows. A delayed message gets a
-	// claim row due at its time with no holder (token 0, attempt 0), which the claims due again
-	// take once it has come, as on PostgreSQL; the group's position passes it.
-	s.nowSQL = `SELECT ` + sqliteNow
+	// The claim of new messages reads the clock once, with the group's position, and both of
+	// its other statements decide with that one value which messages are delayed (deliver_at
+	// still to come): the one that reads them and the one that writes their claim rows. A
+	// delayed message gets a claim row due at its time with no holder (token 0, attempt 0),
+	// which the claims due again take once it has come, as on PostgreSQL; the group's
+	// position passes it.
+	s.positionSQL = fmt.Sprintf(`SELECT "last_offset", %s FROM %s WHERE "group_id" = ?`, sqliteNow, t.Groups)
 	s.readNewSQL = fmt.Sprintf(`SELECT "offset", "uuid", "payload", "metadata", coalesce(CASE WHEN "deliver_at" > ?1 THEN "deliver_at" END, 0)
 FROM %s WHERE "offset" > ?2 ORDER BY "offset" LIMIT ?3`, t.Messages)
 	s.insClaimsSQL = fmt.Sprintf(`INSERT INTO %[1]s ("group_id", "offset", "token", "visible_at", "attempts")
@@ -323,10 +322,7 @@ func (s *sqliteStore) claimIn(ctx context.Context, tx dbx.Querier, groupID int32
 		return out, nil
 	}
 	var pos, now int64
-	if err := dbx.QueryRow(ctx, tx, s.positionSQL, []any{groupID}, &pos); err != nil {
-		return out, err
-	}
-	if err := dbx.QueryRow(ctx, tx, s.nowSQL, nil, &now); err != nil {
+	if err := dbx.QueryRow(ctx, tx, s.positionSQL, []any{groupID}, &pos, &now); err != nil {
 		return out, err
 	}
 	rows, err := tx.Query(ctx, s.readNewSQL, now, pos, limit)
