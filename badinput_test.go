@@ -3,6 +3,7 @@ package sqlbroker_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -15,24 +16,22 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
-// Subscribe after Close is refused with ErrClosed, on both drivers, whether or not the
-// subscriber ever subscribed, and nothing is written: no consumer group row appears.
+// Subscribe after Close is refused with ErrClosed, on both drivers and on SQLite, whether or
+// not the subscriber ever subscribed, and nothing is written: no consumer group row appears.
 func TestSubscriber_subscribeAfterCloseRefused(t *testing.T) {
 	t.Parallel()
-	for name, db := range map[string]func() sqlbroker.DB{
-		"pgx":   func() sqlbroker.DB { return pgxDB(t) },
-		"libpq": func() sqlbroker.DB { return sqlbroker.StdSQL(testdb.Std(t)) },
-	} {
-		t.Run(name, func(t *testing.T) {
+	for _, d := range append(leaseDatabases, database{"libpq", stdDB}) {
+		t.Run(d.name, func(t *testing.T) {
 			topic := testdb.Topic(t, "")
-			sub, err := sqlbroker.NewSubscriber(db(), sqlbroker.SubscriberConfig{ConsumerGroup: "g", InitializeSchema: true}, nil)
+			db, raw := d.openSQL(t)
+			sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", InitializeSchema: true}, nil)
 			require.NoError(t, err)
 			require.NoError(t, sub.SubscribeInitialize(topic))
 			require.NoError(t, sub.Close())
 			msgs, err := sub.Subscribe(context.Background(), topic)
 			assert.ErrorIs(t, err, sqlbroker.ErrClosed)
 			assert.Nil(t, msgs)
-			assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Groups), "a group row was written after Close")
+			assert.Equal(t, 0, raw.count(t, "SELECT count(*) FROM "+tables(topic).Groups), "a group row was written after Close")
 			require.NoError(t, sub.Close(), "Close is idempotent")
 		})
 	}
@@ -42,10 +41,20 @@ func TestSubscriber_subscribeAfterCloseRefused(t *testing.T) {
 // anything: no channel, no consumer group row, no claim.
 func TestSubscriber_subscribeWithCancelledContext(t *testing.T) {
 	t.Parallel()
+	for _, d := range leaseDatabases {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			testSubscribeWithCancelledContext(t, d)
+		})
+	}
+}
+
+func testSubscribeWithCancelledContext(t *testing.T, d database) {
 	topic := testdb.Topic(t, "")
-	pub := newPublisher(t, pgxDB(t))
+	db, raw := d.openSQL(t)
+	pub := newPublisher(t, db)
 	publish(t, pub, topic, "x")
-	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g"})
+	sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "g"})
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	msgs, err := sub.Subscribe(ctx, topic)
@@ -53,8 +62,8 @@ func TestSubscriber_subscribeWithCancelledContext(t *testing.T) {
 	assert.ErrorIs(t, err, context.Canceled)
 	assert.Contains(t, err.Error(), topic, "the error names the topic")
 	assert.Nil(t, msgs)
-	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Groups))
-	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims))
+	assert.Equal(t, 0, raw.count(t, "SELECT count(*) FROM "+tables(topic).Groups))
+	assert.Equal(t, 0, raw.count(t, "SELECT count(*) FROM "+tables(topic).Claims))
 	assert.Zero(t, sub.Stats().Claimed)
 
 	// The subscriber is still usable with a live context.
@@ -70,11 +79,22 @@ func TestSubscriber_subscribeWithCancelledContext(t *testing.T) {
 // the database and counts as no ack.
 func TestSubscriber_ackAfterCloseAndLease(t *testing.T) {
 	t.Parallel()
+	for _, d := range leaseDatabases {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			testAckAfterCloseAndLease(t, d)
+		})
+	}
+}
+
+func testAckAfterCloseAndLease(t *testing.T, d database) {
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
-	pub := newPublisher(t, pgxDB(t))
+	db, raw := d.openSQL(t)
+	queryInt := raw.count
+	pub := newPublisher(t, db)
 	sent := publish(t, pub, topic, "late")
-	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: time.Second, LeaseRenewInterval: 200 * time.Millisecond})
+	sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: time.Second, LeaseRenewInterval: 200 * time.Millisecond})
 	msgs, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	m := receive(t, msgs, 10*time.Second)
@@ -86,7 +106,7 @@ func TestSubscriber_ackAfterCloseAndLease(t *testing.T) {
 	})
 
 	// Another consumer takes the message once the lease ran out.
-	next := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
+	next := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
 	again, err := next.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	m2 := receive(t, again, 10*time.Second)
@@ -102,9 +122,15 @@ func TestSubscriber_ackAfterCloseAndLease(t *testing.T) {
 	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims))
 }
 
-// A Broker config with nonsense values is refused by Open, naming the field and the value.
+// A Broker config with nonsense values is refused by Open, naming the field and the value, for
+// PostgreSQL and SQLite URLs alike.
 func TestBrokerConfig_nonsenseRefused(t *testing.T) {
 	t.Parallel()
+	t.Run("postgres", func(t *testing.T) { testBrokerConfigNonsense(t, testdb.URL()) })
+	t.Run("sqlite", func(t *testing.T) { testBrokerConfigNonsense(t, testdb.SQLiteURL(t)) })
+}
+
+func testBrokerConfigNonsense(t *testing.T, url string) {
 	cases := []struct {
 		cfg  sqlbroker.BrokerConfig
 		want string
@@ -114,7 +140,7 @@ func TestBrokerConfig_nonsenseRefused(t *testing.T) {
 		{sqlbroker.BrokerConfig{MaxConns: -1}, "MaxConns (-1) must not be negative"},
 	}
 	for _, c := range cases {
-		b, err := sqlbroker.Open(testdb.URL(), c.cfg, nil)
+		b, err := sqlbroker.Open(url, c.cfg, nil)
 		require.Error(t, err, c.want)
 		assert.Nil(t, b)
 		var cerr *sqlbroker.ConfigError
@@ -122,7 +148,7 @@ func TestBrokerConfig_nonsenseRefused(t *testing.T) {
 		assert.Contains(t, err.Error(), c.want)
 	}
 	// Subscriber configs of a broker are checked like any other.
-	b, err := sqlbroker.Open(testdb.URL(), sqlbroker.BrokerConfig{}, nil)
+	b, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
 	require.NoError(t, err)
 	defer b.Close()
 	_, err = b.NewSubscriber(sqlbroker.SubscriberConfig{LeaseTTL: time.Second, LeaseRenewInterval: 2 * time.Second})
@@ -138,6 +164,12 @@ func TestBrokerConfig_nonsenseRefused(t *testing.T) {
 // Tables created by another schema version are refused by publishers too, with and without
 // InitializeSchema (which must not try to "fix" them), and nothing is written.
 func TestPublisher_schemaVersionMismatchWritesNothing(t *testing.T) {
+	t.Parallel()
+	t.Run("postgres", testSchemaVersionMismatchPostgres)
+	t.Run("sqlite", testSchemaVersionMismatchSQLite)
+}
+
+func testSchemaVersionMismatchPostgres(t *testing.T) {
 	t.Parallel()
 	topic := testdb.Topic(t, "")
 	sub := newSubscriber(t, sqlbroker.SubscriberConfig{})
@@ -166,4 +198,61 @@ func TestPublisher_schemaVersionMismatchWritesNothing(t *testing.T) {
 	require.ErrorAs(t, err, &verr)
 	assert.Equal(t, 0, countMessages(t, topic))
 	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Groups))
+}
+
+// On SQLite the version is written in a comment of the messages table's DDL.
+func testSchemaVersionMismatchSQLite(t *testing.T) {
+	t.Parallel()
+	topic := "t"
+	db, raw := database{name: "sqlite"}.openSQL(t)
+	raw.exec(t, strings.Replace(tables(topic).OnSQLite().SchemaSQL(), "sqlbroker schema v2", "sqlbroker schema v99", 1))
+	for _, initialize := range []bool{false, true} {
+		pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: initialize}, nil)
+		require.NoError(t, err)
+		err = pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("x")))
+		var verr *sqlbroker.SchemaVersionError
+		require.ErrorAs(t, err, &verr, "InitializeSchema %v", initialize)
+		assert.Contains(t, err.Error(), `"sqlbroker schema v99"`)
+		assert.Contains(t, err.Error(), "v2")
+		assert.Contains(t, err.Error(), tables(topic).Messages)
+		require.NoError(t, pub.Close())
+	}
+	fresh, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	defer fresh.Close()
+	_, err = fresh.Subscribe(context.Background(), topic)
+	var verr *sqlbroker.SchemaVersionError
+	require.ErrorAs(t, err, &verr)
+	assert.Equal(t, 0, raw.count(t, "SELECT count(*) FROM "+tables(topic).Messages))
+	assert.Equal(t, 0, raw.count(t, "SELECT count(*) FROM "+tables(topic).Groups))
+}
+
+// Topic and consumer group names may hold $, as in watermill-sql, on PostgreSQL and SQLite:
+// even a topic that spells the dollar-quote tag of the PostgreSQL schema SQL is created,
+// upgraded from schema version 1, published to and consumed.
+func TestNames_dollarSignAccepted(t *testing.T) {
+	t.Parallel()
+	for _, d := range leaseDatabases {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			topic := testdb.Topic(t, "") + "$sqlbroker$x"
+			t.Cleanup(func() { testdb.DropTopic(t, "", topic) })
+			db, raw := d.openSQL(t)
+			pub := newPublisher(t, db)
+			sent := publish(t, pub, topic, "a")
+			if d.name != "sqlite" {
+				// Back to schema version 1: InitializeSchema's upgrade runs the dollar-quoted block.
+				raw.exec(t, `ALTER TABLE `+tables(topic).Messages+` DROP COLUMN "deliver_at"; COMMENT ON TABLE `+tables(topic).Messages+` IS 'sqlbroker schema v1'`)
+			}
+			sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "g$1", PollInterval: 20 * time.Millisecond})
+			msgs, err := sub.Subscribe(ctx, topic)
+			require.NoError(t, err)
+			m := receive(t, msgs, 10*time.Second)
+			assert.Equal(t, sent[0].UUID, m.UUID)
+			m.Ack()
+			testdb.Eventually(t, 10*time.Second, "the ack", func() bool { return sub.Stats().Acked == 1 })
+			assert.Equal(t, 1, raw.count(t, `SELECT count(*) FROM `+tables(topic).Groups+` WHERE "consumer_group" = 'g$1'`))
+		})
+	}
 }

@@ -261,8 +261,8 @@ type SubscriberConfig struct {
 	// MaxAttempts, when above 0, bounds the deliveries of a message within the consumer
 	// group: a message nacked at its MaxAttempts-th attempt, or claimed again after that many
 	// (its leases lost, its consumers gone), is moved to DeadLetterTopic instead, in the same
-	// statement that settles its claim: it is never both there and due again, and never
-	// lost. Defaults to 0: no bound, a message is delivered until it is acked (Watermill's
+	// statement that settles its claim (on SQLite, the same write transaction): it is never
+	// both there and due again, and never lost. Defaults to 0: no bound, a message is delivered until it is acked (Watermill's
 	// PoisonQueue middleware then does the same in the Router).
 	MaxAttempts int
 
@@ -422,9 +422,6 @@ func (c *SubscriberConfig) validateSQLite() error {
 	}
 	if c.Schema != "" {
 		return &ConfigError{Field: "Schema", Value: c.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
-	}
-	if c.MaxAttempts > 0 {
-		return &ConfigError{Field: "MaxAttempts", Value: c.MaxAttempts, Reason: "is not supported on SQLite yet (the dead-letter move is PostgreSQL's): leave it 0 and use Watermill's PoisonQueue middleware"}
 	}
 	return nil
 }

@@ -40,8 +40,8 @@ func TestDelay_heldUntilItsTimeWithoutHoldingBackOthers(t *testing.T) {
 	for _, d := range []struct {
 		name string
 		db   func(*testing.T) sqlbroker.DB
-	}{{"pgx", pgxDB}, {"libpq", stdDB}} {
-		for _, mode := range claimModes {
+	}{{"pgx", pgxDB}, {"libpq", stdDB}, {"sqlite", sqliteDB}} {
+		for _, mode := range (database{name: d.name}).modes() {
 			t.Run(d.name+"/"+mode.String(), func(t *testing.T) {
 				t.Parallel()
 				topic := testdb.Topic(t, "")
@@ -85,53 +85,56 @@ func TestDelay_heldUntilItsTimeWithoutHoldingBackOthers(t *testing.T) {
 // earlier than its time, and out of order only within the tolerance of the polls.
 func TestDelay_randomDelaysComeOutInOrder(t *testing.T) {
 	t.Parallel()
-	for _, mode := range claimModes {
-		t.Run(mode.String(), func(t *testing.T) {
-			t.Parallel()
-			topic := testdb.Topic(t, "")
-			pub := newPublisher(t, pgxDB(t))
-			sub := newSubscriber(t, sqlbroker.SubscriberConfig{ClaimMode: mode, PollInterval: delayPoll})
-			msgs, err := sub.Subscribe(context.Background(), topic)
-			require.NoError(t, err)
+	for _, d := range leaseDatabases {
+		for _, mode := range d.modes() {
+			t.Run(d.name+"/"+mode.String(), func(t *testing.T) {
+				t.Parallel()
+				topic := testdb.Topic(t, "")
+				db := d.open(t)
+				pub := newPublisher(t, db)
+				sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ClaimMode: mode, PollInterval: delayPoll})
+				msgs, err := sub.Subscribe(context.Background(), topic)
+				require.NoError(t, err)
 
-			const n = 100
-			at := map[string]time.Time{}
-			batch := make([]*message.Message, n)
-			for i := range batch {
-				m := message.NewMessage(watermill.NewUUID(), []byte(strconv.Itoa(i)))
-				d := time.Duration(rand.Int64N(int64(10 * time.Second)))
-				delay.Message(m, delay.For(d))
-				at[m.UUID] = time.Now().Add(d)
-				batch[i] = m
-			}
-			require.NoError(t, pub.Publish(topic, batch...))
-
-			type got struct {
-				due, arrived time.Time
-			}
-			var seen []got
-			for range n {
-				m := receive(t, msgs, 10*time.Second+lateness)
-				now := time.Now()
-				due, ok := at[m.UUID]
-				require.True(t, ok)
-				delete(at, m.UUID)
-				require.False(t, now.Before(due), "message due at %v came %v early", due, due.Sub(now))
-				seen = append(seen, got{due, now})
-				m.Ack()
-			}
-			var worstLate, worstInversion time.Duration
-			for i, g := range seen {
-				worstLate = max(worstLate, g.arrived.Sub(g.due))
-				if i > 0 {
-					worstInversion = max(worstInversion, seen[i-1].due.Sub(g.due))
+				const n = 100
+				at := map[string]time.Time{}
+				batch := make([]*message.Message, n)
+				for i := range batch {
+					m := message.NewMessage(watermill.NewUUID(), []byte(strconv.Itoa(i)))
+					d := time.Duration(rand.Int64N(int64(10 * time.Second)))
+					delay.Message(m, delay.For(d))
+					at[m.UUID] = time.Now().Add(d)
+					batch[i] = m
 				}
-			}
-			t.Logf("latest delivery %v after its time; largest inversion %v", worstLate, worstInversion)
-			assert.Less(t, worstInversion, lateness, "out of order by more than the tolerance")
-			sorted := sort.SliceIsSorted(seen, func(i, j int) bool { return seen[i].due.Before(seen[j].due) })
-			t.Logf("in exact order: %v", sorted)
-		})
+				require.NoError(t, pub.Publish(topic, batch...))
+
+				type got struct {
+					due, arrived time.Time
+				}
+				var seen []got
+				for range n {
+					m := receive(t, msgs, 10*time.Second+lateness)
+					now := time.Now()
+					due, ok := at[m.UUID]
+					require.True(t, ok)
+					delete(at, m.UUID)
+					require.False(t, now.Before(due), "message due at %v came %v early", due, due.Sub(now))
+					seen = append(seen, got{due, now})
+					m.Ack()
+				}
+				var worstLate, worstInversion time.Duration
+				for i, g := range seen {
+					worstLate = max(worstLate, g.arrived.Sub(g.due))
+					if i > 0 {
+						worstInversion = max(worstInversion, seen[i-1].due.Sub(g.due))
+					}
+				}
+				t.Logf("latest delivery %v after its time; largest inversion %v", worstLate, worstInversion)
+				assert.Less(t, worstInversion, lateness, "out of order by more than the tolerance")
+				sorted := sort.SliceIsSorted(seen, func(i, j int) bool { return seen[i].due.Before(seen[j].due) })
+				t.Logf("in exact order: %v", sorted)
+			})
+		}
 	}
 }
 
@@ -139,25 +142,28 @@ func TestDelay_randomDelaysComeOutInOrder(t *testing.T) {
 // just works.
 func TestDelay_throughDelayPublisher(t *testing.T) {
 	t.Parallel()
-	for _, mode := range claimModes {
-		t.Run(mode.String(), func(t *testing.T) {
-			t.Parallel()
-			topic := testdb.Topic(t, "")
-			pub, err := delay.NewPublisher(newPublisher(t, pgxDB(t)), delay.PublisherConfig{})
-			require.NoError(t, err)
-			sub := newSubscriber(t, sqlbroker.SubscriberConfig{ClaimMode: mode, PollInterval: delayPoll})
-			msgs, err := sub.Subscribe(context.Background(), topic)
-			require.NoError(t, err)
+	for _, d := range leaseDatabases {
+		for _, mode := range d.modes() {
+			t.Run(d.name+"/"+mode.String(), func(t *testing.T) {
+				t.Parallel()
+				topic := testdb.Topic(t, "")
+				db := d.open(t)
+				pub, err := delay.NewPublisher(newPublisher(t, db), delay.PublisherConfig{})
+				require.NoError(t, err)
+				sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ClaimMode: mode, PollInterval: delayPoll})
+				msgs, err := sub.Subscribe(context.Background(), topic)
+				require.NoError(t, err)
 
-			m := message.NewMessage(watermill.NewUUID(), []byte("x"))
-			m.SetContext(delay.WithContext(context.Background(), delay.For(2*time.Second)))
-			published := time.Now()
-			require.NoError(t, pub.Publish(topic, m))
-			got := receive(t, msgs, 2*time.Second+lateness)
-			assert.GreaterOrEqual(t, time.Since(published), 2*time.Second, "delivered before its time")
-			assert.Equal(t, m.UUID, got.UUID)
-			got.Ack()
-		})
+				m := message.NewMessage(watermill.NewUUID(), []byte("x"))
+				m.SetContext(delay.WithContext(context.Background(), delay.For(2*time.Second)))
+				published := time.Now()
+				require.NoError(t, pub.Publish(topic, m))
+				got := receive(t, msgs, 2*time.Second+lateness)
+				assert.GreaterOrEqual(t, time.Since(published), 2*time.Second, "delivered before its time")
+				assert.Equal(t, m.UUID, got.UUID)
+				got.Ack()
+			})
+		}
 	}
 }
 
@@ -165,65 +171,73 @@ func TestDelay_throughDelayPublisher(t *testing.T) {
 // the delay the middleware set, rather than after the nack backoff.
 func TestDelay_delayOnErrorRequeuesLater(t *testing.T) {
 	t.Parallel()
-	for _, mode := range claimModes {
-		t.Run(mode.String(), func(t *testing.T) {
-			t.Parallel()
-			topic := testdb.Topic(t, "")
-			pub := newPublisher(t, pgxDB(t))
-			sub := newSubscriber(t, sqlbroker.SubscriberConfig{ClaimMode: mode, PollInterval: delayPoll, NackBackoff: sqlbroker.NoBackoff})
-			router, err := message.NewRouter(message.RouterConfig{}, nil)
-			require.NoError(t, err)
-			router.AddMiddleware((&middleware.DelayOnError{InitialInterval: 2 * time.Second, MaxInterval: 8 * time.Second, Multiplier: 2}).Middleware)
-			type attempt struct {
-				n  string
-				at time.Time
-			}
-			attempts := make(chan attempt, 10)
-			router.AddNoPublisherHandler("h", topic, sub, func(msg *message.Message) error {
-				attempts <- attempt{msg.Metadata.Get(sqlbroker.MetadataAttempt), time.Now()}
-				if msg.Metadata.Get(sqlbroker.MetadataAttempt) == "1" {
-					return errors.New("fails the first time")
+	for _, d := range leaseDatabases {
+		for _, mode := range d.modes() {
+			t.Run(d.name+"/"+mode.String(), func(t *testing.T) {
+				t.Parallel()
+				topic := testdb.Topic(t, "")
+				db := d.open(t)
+				pub := newPublisher(t, db)
+				sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ClaimMode: mode, PollInterval: delayPoll, NackBackoff: sqlbroker.NoBackoff})
+				router, err := message.NewRouter(message.RouterConfig{}, nil)
+				require.NoError(t, err)
+				router.AddMiddleware((&middleware.DelayOnError{InitialInterval: 2 * time.Second, MaxInterval: 8 * time.Second, Multiplier: 2}).Middleware)
+				type attempt struct {
+					n  string
+					at time.Time
 				}
-				return nil
-			})
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			go func() { _ = router.Run(ctx) }()
-			<-router.Running()
-			defer router.Close()
-			publish(t, pub, topic, "x")
+				attempts := make(chan attempt, 10)
+				router.AddNoPublisherHandler("h", topic, sub, func(msg *message.Message) error {
+					attempts <- attempt{msg.Metadata.Get(sqlbroker.MetadataAttempt), time.Now()}
+					if msg.Metadata.Get(sqlbroker.MetadataAttempt) == "1" {
+						return errors.New("fails the first time")
+					}
+					return nil
+				})
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				go func() { _ = router.Run(ctx) }()
+				<-router.Running()
+				defer router.Close()
+				publish(t, pub, topic, "x")
 
-			var first attempt
-			select {
-			case first = <-attempts:
-			case <-time.After(10 * time.Second):
-				t.Fatal("no first attempt")
-			}
-			require.Equal(t, "1", first.n)
-			select {
-			case second := <-attempts:
-				require.Equal(t, "2", second.n)
-				assert.GreaterOrEqual(t, second.at.Sub(first.at), 2*time.Second, "redelivered before the middleware's delay")
-				t.Logf("redelivered after %v", second.at.Sub(first.at))
-			case <-time.After(2*time.Second + lateness):
-				t.Fatal("not redelivered")
-			}
-			testdb.Eventually(t, 10*time.Second, "the ack", func() bool { return sub.Stats().Acked == 1 })
-		})
+				var first attempt
+				select {
+				case first = <-attempts:
+				case <-time.After(10 * time.Second):
+					t.Fatal("no first attempt")
+				}
+				require.Equal(t, "1", first.n)
+				select {
+				case second := <-attempts:
+					require.Equal(t, "2", second.n)
+					assert.GreaterOrEqual(t, second.at.Sub(first.at), 2*time.Second, "redelivered before the middleware's delay")
+					t.Logf("redelivered after %v", second.at.Sub(first.at))
+				case <-time.After(2*time.Second + lateness):
+					t.Fatal("not redelivered")
+				}
+				testdb.Eventually(t, 10*time.Second, "the ack", func() bool { return sub.Stats().Acked == 1 })
+			})
+		}
 	}
 }
 
 // A message whose delay metadata cannot be read is refused, naming the key; nothing is written.
 func TestDelay_unreadableTimeRefused(t *testing.T) {
 	t.Parallel()
-	topic := testdb.Topic(t, "")
-	pub := newPublisher(t, pgxDB(t))
-	m := message.NewMessage(watermill.NewUUID(), []byte("x"))
-	m.Metadata.Set(delay.DelayedUntilKey, "tomorrow")
-	err := pub.Publish(topic, m)
-	var perr *sqlbroker.PublishError
-	require.ErrorAs(t, err, &perr)
-	assert.Contains(t, err.Error(), fmt.Sprintf("metadata %s %q is not an RFC 3339 time", delay.DelayedUntilKey, "tomorrow"))
+	for _, d := range leaseDatabases {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			topic := testdb.Topic(t, "")
+			pub := newPublisher(t, d.open(t))
+			m := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			m.Metadata.Set(delay.DelayedUntilKey, "tomorrow")
+			err := pub.Publish(topic, m)
+			var perr *sqlbroker.PublishError
+			require.ErrorAs(t, err, &perr)
+			assert.Contains(t, err.Error(), fmt.Sprintf("metadata %s %q is not an RFC 3339 time", delay.DelayedUntilKey, "tomorrow"))
+		})
+	}
 }
 
 // Tables of schema version 1 (before delayed messages) are upgraded in place by
@@ -264,18 +278,70 @@ func TestSchema_version1TablesUpgraded(t *testing.T) {
 	m.Ack()
 }
 
+// SQLite tables written before delayed messages came to SQLite carry schema version 2 without
+// the deliver_at column: InitializeSchema adds it in place, keeping their messages and
+// groups; without it Subscribe says how to upgrade them.
+func TestSchema_sqliteTablesWithoutDeliverAtUpgraded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := "t"
+	tb := tables(topic)
+	raw := testdb.SQLite(t)
+	db := sqlbroker.SQLite(raw)
+	pub := newPublisher(t, db)
+	publish(t, pub, topic, "old")
+	_, err := raw.ExecContext(ctx, `ALTER TABLE `+tb.Messages+` DROP COLUMN "deliver_at"`)
+	require.NoError(t, err)
+
+	plain, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{}, nil)
+	require.NoError(t, err)
+	defer plain.Close()
+	_, err = plain.Subscribe(ctx, topic)
+	var verr *sqlbroker.SchemaVersionError
+	require.ErrorAs(t, err, &verr)
+	assert.Contains(t, err.Error(), "without its deliver_at column")
+	assert.Contains(t, err.Error(), "set InitializeSchema: true")
+
+	sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{PollInterval: delayPoll})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "old", string(m.Payload))
+	m.Ack()
+
+	late := message.NewMessage(watermill.NewUUID(), []byte("late"))
+	delay.Message(late, delay.For(time.Second))
+	published := time.Now()
+	require.NoError(t, pub.Publish(topic, late))
+	m = receive(t, msgs, time.Second+lateness)
+	assert.GreaterOrEqual(t, time.Since(published), time.Second)
+	m.Ack()
+}
+
 // The requeuer: DelayOnError marks the failed message, PoisonQueue moves it to a requeue
 // topic, the requeuer publishes it back through this library's Publisher, and the message is
 // delivered again on its topic no earlier than the delay.
 func TestDelay_requeuerRepublishesDelayed(t *testing.T) {
 	t.Parallel()
+	for _, d := range leaseDatabases {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			testRequeuerRepublishesDelayed(t, d)
+		})
+	}
+}
+
+func testRequeuerRepublishesDelayed(t *testing.T, d database) {
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
 	requeue := "requeue-" + topic
-	t.Cleanup(func() { testdb.DropTopic(t, "", requeue) })
-	pub := newPublisher(t, pgxDB(t))
-	sub := newSubscriber(t, sqlbroker.SubscriberConfig{PollInterval: delayPoll})
-	requeueSub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "requeuer", PollInterval: delayPoll})
+	if d.name != "sqlite" {
+		t.Cleanup(func() { testdb.DropTopic(t, "", requeue) })
+	}
+	db := d.open(t)
+	pub := newPublisher(t, db)
+	sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{PollInterval: delayPoll})
+	requeueSub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "requeuer", PollInterval: delayPoll})
 
 	router, err := message.NewRouter(message.RouterConfig{}, nil)
 	require.NoError(t, err)

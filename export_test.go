@@ -51,3 +51,6 @@ func PublisherRunning(p *Publisher) int {
 	}
 	return p.tracker.Running()
 }
+
+// SubscriberRunning is the number of statements of s running now.
+func SubscriberRunning(s *Subscriber) int { return s.tracker.Running() }

@@ -2,12 +2,14 @@ package sqlbroker_test
 
 import (
 	"context"
+	"database/sql"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
@@ -17,6 +19,103 @@ import (
 
 func pgxDB(t *testing.T) sqlbroker.DB { return sqlbroker.Pgx(testdb.Pgx(t)) }
 func stdDB(t *testing.T) sqlbroker.DB { return sqlbroker.StdSQL(testdb.Std(t)) }
+
+// sqliteDB is a DB on a SQLite file of the test's own: every call opens another file, so a
+// test calls it once and hands the DB to its publishers and subscribers.
+func sqliteDB(t *testing.T) sqlbroker.DB { return sqlbroker.SQLite(testdb.SQLite(t)) }
+
+// database is a database the lease mode's tests run on.
+type database struct {
+	name string
+	open func(*testing.T) sqlbroker.DB
+}
+
+// leaseDatabases are the databases of the lease mode: PostgreSQL (through pgx) and SQLite.
+var leaseDatabases = []database{{"pgx", pgxDB}, {"sqlite", sqliteDB}}
+
+// openSQL is open, with a handle that runs SQL text on the same database.
+func (d database) openSQL(t *testing.T) (sqlbroker.DB, rawSQL) {
+	if d.name == "sqlite" {
+		h := testdb.SQLite(t)
+		return sqlbroker.SQLite(h), rawSQL{lite: h}
+	}
+	return d.open(t), rawSQL{pg: testdb.Pgx(t)}
+}
+
+// rawSQL runs SQL text on a test's database, for tests that read or change its tables
+// directly. Parameters are written $1, $2, ... in order, which both databases take.
+type rawSQL struct {
+	pg   *pgxpool.Pool
+	lite *sql.DB
+}
+
+// count runs a query of one integer.
+func (r rawSQL) count(t *testing.T, query string, args ...any) int {
+	t.Helper()
+	var n int
+	if r.lite != nil {
+		require.NoError(t, r.lite.QueryRow(query, args...).Scan(&n))
+	} else {
+		require.NoError(t, r.pg.QueryRow(context.Background(), query, args...).Scan(&n))
+	}
+	return n
+}
+
+// exec runs a statement.
+func (r rawSQL) exec(t *testing.T, query string, args ...any) {
+	t.Helper()
+	var err error
+	if r.lite != nil {
+		_, err = r.lite.Exec(query, args...)
+	} else {
+		_, err = r.pg.Exec(context.Background(), query, args...)
+	}
+	require.NoError(t, err)
+}
+
+// writeLockFree asserts that no connection holds SQLite's write lock: another one takes it at
+// once, without waiting.
+func (r rawSQL) writeLockFree(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
+	c, err := r.lite.Conn(ctx)
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = c.ExecContext(ctx, "PRAGMA busy_timeout = 0")
+	require.NoError(t, err)
+	_, err = c.ExecContext(ctx, "BEGIN IMMEDIATE")
+	require.NoError(t, err, "the write lock is held")
+	_, err = c.ExecContext(ctx, "ROLLBACK")
+	require.NoError(t, err)
+}
+
+// takeAway makes the lease of the claim of offset run out, as takeAway does on PostgreSQL,
+// and waits until a claim took it again.
+func (r rawSQL) takeAway(t *testing.T, claims string, offset int64) {
+	t.Helper()
+	if r.lite == nil {
+		takeAway(t, sqlbroker.ClaimLease, claims, offset)
+		return
+	}
+	var token int64
+	if err := r.lite.QueryRow(`SELECT "token" FROM `+claims+` WHERE "offset" = $1`, offset).Scan(&token); err != nil {
+		return // settled meanwhile
+	}
+	_, _ = r.lite.Exec(`UPDATE `+claims+` SET "visible_at" = 0 WHERE "offset" = $1 AND "token" = $2`, offset, token)
+	testdb.Eventually(t, 5*time.Second, "the claim taken again", func() bool {
+		var now int64
+		err := r.lite.QueryRow(`SELECT "token" FROM `+claims+` WHERE "offset" = $1`, offset).Scan(&now)
+		return err != nil || now != token && now != 0
+	})
+}
+
+// modes are the claim modes the database runs: SQLite has the lease mode only.
+func (d database) modes() []sqlbroker.ClaimMode {
+	if d.name == "sqlite" {
+		return []sqlbroker.ClaimMode{sqlbroker.ClaimLease}
+	}
+	return claimModes
+}
 
 func newPublisher(t *testing.T, db sqlbroker.DB) *sqlbroker.Publisher {
 	t.Helper()
@@ -28,8 +127,14 @@ func newPublisher(t *testing.T, db sqlbroker.DB) *sqlbroker.Publisher {
 
 func newSubscriber(t *testing.T, cfg sqlbroker.SubscriberConfig) *sqlbroker.Subscriber {
 	t.Helper()
+	return newSubscriberOn(t, pgxDB(t), cfg)
+}
+
+// newSubscriberOn is newSubscriber on db.
+func newSubscriberOn(t *testing.T, db sqlbroker.DB, cfg sqlbroker.SubscriberConfig) *sqlbroker.Subscriber {
+	t.Helper()
 	cfg.InitializeSchema = true
-	sub, err := sqlbroker.NewSubscriber(pgxDB(t), cfg, nil)
+	sub, err := sqlbroker.NewSubscriber(db, cfg, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sub.Close() })
 	return sub

@@ -2,6 +2,7 @@ package sqlbroker_test
 
 import (
 	"context"
+	"database/sql"
 	"sync"
 	"testing"
 	"time"
@@ -16,20 +17,38 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
-// hookedBroker is a broker on a URL of its own application_name, with a Router and a hook on
-// it, and the topics' tables created.
+// hookedBroker is a broker on a URL of its own application_name (PostgreSQL) or on a SQLite
+// file of its own, with a Router and a hook on it, and the topics' tables created.
 type hookedBroker struct {
 	broker *sqlbroker.Broker
 	pub    *sqlbroker.Publisher
 	sub    *sqlbroker.Subscriber
 	router *message.Router
 	hook   *sqlbroker.RouterHook
-	app    string
+	app    string // PostgreSQL's
+	raw    rawSQL // the same database, for the test's own SQL
 }
 
 func newHookedBroker(t *testing.T, cfg sqlbroker.SubscriberConfig, closeTimeout time.Duration, topics ...string) *hookedBroker {
 	t.Helper()
-	url, app := brokerURL(t, "postgres")
+	return newHookedBrokerOn(t, "pgx", cfg, closeTimeout, topics...)
+}
+
+// newHookedBrokerOn is newHookedBroker on the database named db: "pgx" or "sqlite".
+func newHookedBrokerOn(t *testing.T, db string, cfg sqlbroker.SubscriberConfig, closeTimeout time.Duration, topics ...string) *hookedBroker {
+	t.Helper()
+	var url, app string
+	raw := rawSQL{pg: testdb.Pgx(t)}
+	if db == "sqlite" {
+		path := testdb.SQLitePath(t)
+		url = "sqlite:" + path + "?mode=rwc"
+		h, err := sql.Open("sqlite", "file:"+path)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = h.Close() })
+		raw = rawSQL{lite: h}
+	} else {
+		url, app = brokerURL(t, "postgres")
+	}
 	broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = broker.Close() })
@@ -45,7 +64,7 @@ func newHookedBroker(t *testing.T, cfg sqlbroker.SubscriberConfig, closeTimeout 
 	require.NoError(t, err)
 	hook := sqlbroker.NewRouterHook(broker, sqlbroker.RouterHookConfig{CloseTimeout: closeTimeout})
 	router.AddPlugin(hook.Plugin)
-	return &hookedBroker{broker: broker, pub: pub, sub: sub, router: router, hook: hook, app: app}
+	return &hookedBroker{broker: broker, pub: pub, sub: sub, router: router, hook: hook, app: app, raw: raw}
 }
 
 // run runs the Router until the test ends, and returns Run's result channel.
@@ -64,9 +83,14 @@ func (hb *hookedBroker) run(t *testing.T, ctx context.Context) <-chan error {
 }
 
 // leftOnServer asserts that no lock and, once the server ended them, no backend of the
-// library is left.
+// library is left. On SQLite, with no server to ask, it asserts that the library holds no
+// write lock: another connection takes it at once.
 func (hb *hookedBroker) leftOnServer(t *testing.T) {
 	t.Helper()
+	if hb.raw.lite != nil {
+		hb.raw.writeLockFree(t)
+		return
+	}
 	testdb.Eventually(t, 5*time.Second, "no backend of the library left", func() bool { return backends(t, hb.app) == 0 })
 	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) WHERE a.application_name = $1", hb.app))
 }
@@ -83,12 +107,21 @@ func waitClosed[T any](t *testing.T, ch <-chan T, d time.Duration, what string) 
 // Stopping one of two handlers with Handler.Stop is not the Router closing: that handler
 // stops alone and promptly, the claims its subscription held ahead are given back, the other
 // handler goes on, the owner is not shut down and its pool stays open. The Router's Close
-// then shuts the owner down (S12).
+// then shuts the owner down (S12). On PostgreSQL and SQLite.
 func TestRouterHook_S12_handlerStopStopsAlone(t *testing.T) {
 	t.Parallel()
+	for _, db := range []string{"pgx", "sqlite"} {
+		t.Run(db, func(t *testing.T) {
+			t.Parallel()
+			testHandlerStopStopsAlone(t, db)
+		})
+	}
+}
+
+func testHandlerStopStopsAlone(t *testing.T, db string) {
 	ctx := context.Background()
 	topicA, topicB := testdb.Topic(t, ""), testdb.Topic(t, "")
-	hb := newHookedBroker(t, sqlbroker.SubscriberConfig{MaxInFlight: 2, BatchSize: 4}, 20*time.Second, topicA, topicB)
+	hb := newHookedBrokerOn(t, db, sqlbroker.SubscriberConfig{MaxInFlight: 2, BatchSize: 4}, 20*time.Second, topicA, topicB)
 	publish(t, hb.pub, topicA, numbered(20)...)
 
 	startedA := make(chan struct{}, 20)
@@ -110,7 +143,7 @@ func TestRouterHook_S12_handlerStopStopsAlone(t *testing.T) {
 	for range 2 {
 		waitClosed(t, startedA, 10*time.Second, "a message of topic A in a handler")
 	}
-	claimsA := func() int { return queryInt(t, "SELECT count(*) FROM "+tables(topicA).Claims+" WHERE token <> 0") }
+	claimsA := func() int { return hb.raw.count(t, "SELECT count(*) FROM "+tables(topicA).Claims+" WHERE token <> 0") }
 	testdb.Eventually(t, 10*time.Second, "claims held ahead on topic A", func() bool { return claimsA() > 2 })
 
 	handlerA.Stop()
@@ -141,12 +174,22 @@ func TestRouterHook_S12_handlerStopStopsAlone(t *testing.T) {
 }
 
 // A Subscribe of its own on a hooked subscriber, whose context ends, stops alone: its channel
-// closes at once and the owner is not shut down while the Router runs (S12).
+// closes at once and the owner is not shut down while the Router runs (S12). On PostgreSQL
+// and SQLite.
 func TestRouterHook_S12_manualSubscribeEndDoesNotShutDown(t *testing.T) {
 	t.Parallel()
+	for _, db := range []string{"pgx", "sqlite"} {
+		t.Run(db, func(t *testing.T) {
+			t.Parallel()
+			testManualSubscribeEndDoesNotShutDown(t, db)
+		})
+	}
+}
+
+func testManualSubscribeEndDoesNotShutDown(t *testing.T, db string) {
 	ctx := context.Background()
 	topicA, topicB := testdb.Topic(t, ""), testdb.Topic(t, "")
-	hb := newHookedBroker(t, sqlbroker.SubscriberConfig{}, 20*time.Second, topicA, topicB)
+	hb := newHookedBrokerOn(t, db, sqlbroker.SubscriberConfig{}, 20*time.Second, topicA, topicB)
 	gotA := make(chan string, 20)
 	hb.router.AddNoPublisherHandler("a", topicA, hb.sub, func(msg *message.Message) error {
 		gotA <- string(msg.Payload)
@@ -191,7 +234,8 @@ func TestRouterHook_S12_manualSubscribeEndDoesNotShutDown(t *testing.T) {
 
 // The report counts what the Router's shutdown did whichever way it began: in advisory mode,
 // with claims held ahead, router.Close() and cancelling Run's context report the same
-// subscriptions, claims given back and locks released (S12).
+// subscriptions, claims given back and locks released (S12). PostgreSQL only: the advisory
+// mode is PostgreSQL's.
 func TestRouterHook_S12_reportSameByCloseAndCancel(t *testing.T) {
 	t.Parallel()
 	const inWork, ahead = 4, 4
@@ -310,11 +354,21 @@ func TestRouterHook_S12_ownShutdowner(t *testing.T) {
 }
 
 // The owner's only handler stopped while a handler of another subscriber runs on: the Router
-// is not closing, so the owner is not shut down and its publishers still publish (S12).
+// is not closing, so the owner is not shut down and its publishers still publish (S12). On
+// PostgreSQL and SQLite.
 func TestRouterHook_S12_ownHandlerStoppedWhileOthersRun(t *testing.T) {
 	t.Parallel()
+	for _, db := range []string{"pgx", "sqlite"} {
+		t.Run(db, func(t *testing.T) {
+			t.Parallel()
+			testOwnHandlerStoppedWhileOthersRun(t, db)
+		})
+	}
+}
+
+func testOwnHandlerStoppedWhileOthersRun(t *testing.T, db string) {
 	topic := testdb.Topic(t, "")
-	hb := newHookedBroker(t, sqlbroker.SubscriberConfig{}, 10*time.Second, topic)
+	hb := newHookedBrokerOn(t, db, sqlbroker.SubscriberConfig{}, 10*time.Second, topic)
 	own := hb.router.AddNoPublisherHandler("own", topic, hb.sub, func(*message.Message) error { return nil })
 	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	defer ps.Close()

@@ -2,6 +2,7 @@ package sqlbroker_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"sync"
 	"testing"
@@ -47,7 +48,9 @@ func appActive(t *testing.T, app string) int {
 // A publish blocked on a table lock when Broker.Shutdown runs with a 1 s deadline is
 // cancelled on the server: Shutdown returns within its deadline plus the cancel wait, the
 // publish fails, no backend of the library waits on the lock afterwards, and once the lock is
-// released no row is committed (S8, S11, issue 15 item 3), grouped or not, with both drivers.
+// released no row is committed (S8, S11), grouped or not, with both drivers. PostgreSQL only:
+// it takes a table lock and reads pg_locks; on SQLite a publish waits on the database's write
+// lock instead, which TestSQLite_shutdownInterruptsStatementInFlight holds.
 func TestShutdown_S8_S11_publishBlockedOnTableLock(t *testing.T) {
 	t.Parallel()
 	for _, scheme := range []string{"postgres", "libpq+postgres"} {
@@ -98,7 +101,7 @@ func TestShutdown_S8_S11_publishBlockedOnTableLock(t *testing.T) {
 // table lock at Shutdown is cancelled with the NOTIFY it carries or would have scheduled, and a
 // trailing NOTIFY still pending is sent before Shutdown returns or not at all (S11). A marker
 // the test notifies after Shutdown returned orders the notifications: every one the library
-// committed before comes before it.
+// committed before comes before it. PostgreSQL only: SQLite has no NOTIFY.
 func TestShutdown_S11_noNotifyAfterShutdown(t *testing.T) {
 	t.Parallel()
 	for _, byBroker := range []bool{true, false} {
@@ -203,7 +206,8 @@ func testNoNotifyAfterShutdown(t *testing.T, byBroker, grouped bool) {
 
 // Publisher.Close waits for the publishes running up to PublisherConfig.CloseTimeout, then
 // cancels them on the server: a publish blocked on a table lock fails, and nothing of it
-// waits on the server when Close returns.
+// waits on the server when Close returns. On SQLite, see
+// TestPublisher_S11_closeTimeoutInterruptsSQLiteWriteLockWait.
 func TestPublisher_S11_closeTimeoutCancelsOnTheServer(t *testing.T) {
 	t.Parallel()
 	for name, db := range drivers(t) {
@@ -225,4 +229,46 @@ func TestPublisher_S11_closeTimeoutCancelsOnTheServer(t *testing.T) {
 			assert.Equal(t, 1, countMessages(t, topic))
 		})
 	}
+}
+
+// On SQLite, Publisher.Close waits for a publish running up to PublisherConfig.CloseTimeout,
+// then interrupts it: a publish waiting on the database's write lock (another connection holds
+// BEGIN IMMEDIATE) fails well within the busy timeout, nothing of it runs when Close returns,
+// and nothing of it is written.
+func TestPublisher_S11_closeTimeoutInterruptsSQLiteWriteLockWait(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	path := testdb.SQLitePath(t)
+	handle, err := sql.Open("sqlite", "file:"+path)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = handle.Close() })
+	pub, err := sqlbroker.NewPublisher(sqlbroker.SQLite(handle), sqlbroker.PublisherConfig{InitializeSchema: true, CloseTimeout: 500 * time.Millisecond, DisableGroupInsert: true}, nil)
+	require.NoError(t, err)
+	publish(t, pub, "t", "creates the tables")
+
+	other, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(5000)")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = other.Close() })
+	hold, err := other.Conn(ctx)
+	require.NoError(t, err)
+	_, err = hold.ExecContext(ctx, "BEGIN IMMEDIATE")
+	require.NoError(t, err)
+	release := onceCleanup(t, func() {
+		_, _ = hold.ExecContext(ctx, "ROLLBACK")
+		_ = hold.Close()
+	})
+	published := publishAsync(pub, "t", newMessages(1, "blocked")...)
+	testdb.Eventually(t, 5*time.Second, "the publish to wait for the write lock", func() bool {
+		return sqlbroker.PublisherRunning(pub) == 1
+	})
+	start := time.Now()
+	err = pub.Close()
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.Less(t, time.Since(start), 3*time.Second, "Close waited for the busy timeout instead of interrupting")
+	assert.Equal(t, 0, sqlbroker.PublisherRunning(pub), "the publish still runs after Close returned")
+	require.Error(t, result(t, published))
+	release()
+	var n int
+	require.NoError(t, handle.QueryRow(`SELECT count(*) FROM `+tables("t").Messages).Scan(&n))
+	assert.Equal(t, 1, n, "the interrupted publish wrote its row")
 }

@@ -212,7 +212,9 @@ func isSubset(a, b string) bool {
 // at 3 s, cancels it on the server and waits for the server's answer, and returns ctx's error
 // with a report that counts it. Right after it returns, no backend of the library holds or
 // awaits a lock on the topic's tables, and in the next 3 s nothing is logged and no backend of
-// the library becomes active or is opened (S11).
+// the library becomes active or is opened (S11). PostgreSQL only: it takes a table lock and
+// reads pg_locks and pg_stat_activity; its SQLite counterpart, a settlement waiting on the
+// database's write lock, is TestShutdown_S11_settlementBlockedOnSQLiteWriteLock.
 func TestShutdown_S11_settlementBlockedOnTableLock(t *testing.T) {
 	t.Parallel()
 	for _, driver := range []string{"pgx", "libpq"} {
@@ -264,7 +266,8 @@ func TestShutdown_S11_settlementBlockedOnTableLock(t *testing.T) {
 
 // With every connection of a bounded pool taken by someone else, the claim waits for a
 // connection; Shutdown ends that wait at once, and once the connection is free again no
-// claim runs (S11).
+// claim runs (S11). Its SQLite counterpart is TestShutdown_S11_exhaustedSQLitePoolAcquire,
+// which sees the quiet from the process instead of pg_stat_activity.
 func TestShutdown_S11_exhaustedPoolAcquire(t *testing.T) {
 	t.Parallel()
 	for _, driver := range []string{"pgx", "libpq"} {
@@ -312,21 +315,30 @@ func onceCleanup(t *testing.T, f func()) func() {
 
 // After Shutdown returns, with deliveries in work, settlements queued and claims held ahead,
 // no goroutine of the subscriber runs any more, and nothing is logged: a late ack is not
-// waited for (S11).
+// waited for (S11). On SQLite too, where what watchQuiet asks PostgreSQL's server is seen
+// from the process.
 func TestShutdown_S11_nothingLoggedAfterShutdown(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct {
 		driver string
 		mode   sqlbroker.ClaimMode
-	}{{"pgx", sqlbroker.ClaimLease}, {"libpq", sqlbroker.ClaimLease}, {"pgx", sqlbroker.ClaimAdvisoryLock}, {"libpq", sqlbroker.ClaimAdvisoryLock}} {
+	}{{"pgx", sqlbroker.ClaimLease}, {"libpq", sqlbroker.ClaimLease}, {"pgx", sqlbroker.ClaimAdvisoryLock}, {"libpq", sqlbroker.ClaimAdvisoryLock}, {"sqlite", sqlbroker.ClaimLease}} {
 		driver := c.driver
 		t.Run(driver+"/"+c.mode.String(), func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			topic := testdb.Topic(t, "")
-			db, app := ownDB(t, driver, 10)
+			var db, pubDB sqlbroker.DB
+			var app string
+			if driver == "sqlite" {
+				db = sqliteDB(t)
+				pubDB = db
+			} else {
+				db, app = ownDB(t, driver, 10)
+				pubDB = pgxDB(t)
+			}
 			log := newRecLogger()
-			pub := newPublisher(t, pgxDB(t))
+			pub := newPublisher(t, pubDB)
 			publish(t, pub, topic, numbered(20)...)
 			sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 4, ClaimMode: c.mode,
 				Retention: time.Hour, LeaseTTL: 2 * time.Second, InitializeSchema: true}, log)
@@ -361,8 +373,134 @@ func TestShutdown_S11_nothingLoggedAfterShutdown(t *testing.T) {
 			}
 			got[1].Ack() // after Shutdown: not applied, not waited for
 			got[2].Nack()
-			watchQuiet(t, log, returned, app, topic, time.Second)
+			if driver == "sqlite" {
+				sqliteQuiet(t, log, sub, returned, time.Second)
+			} else {
+				watchQuiet(t, log, returned, app, topic, time.Second)
+			}
 			assert.Empty(t, libraryGoroutines(id), "a late settlement started a goroutine")
 		})
 	}
+}
+
+// sqliteQuiet checks, for d after Shutdown returned at returned, that nothing is logged and no
+// statement of the subscriber runs: what watchQuiet checks on PostgreSQL's server, seen from
+// the process (a SQLite database has no server to ask).
+func sqliteQuiet(t *testing.T, log *recLogger, sub *sqlbroker.Subscriber, returned time.Time, d time.Duration) {
+	t.Helper()
+	holds(t, d, "no statement of the subscriber after Shutdown returned", func() bool { return sqlbroker.SubscriberRunning(sub) == 0 })
+	assert.Empty(t, log.since(returned), "logged after Shutdown returned")
+}
+
+// On SQLite, acks waiting on the database's write lock (another connection holds BEGIN
+// IMMEDIATE) when the service stops: Shutdown, bounded at 3 s, interrupts them and waits for
+// them to return, and returns ctx's error with a report that counts them; afterwards nothing
+// is logged, no statement runs, and the claims are as they were (S11).
+func TestShutdown_S11_settlementBlockedOnSQLiteWriteLock(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	path := testdb.SQLitePath(t)
+	handle, err := sql.Open("sqlite", "file:"+path)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = handle.Close() })
+	db := sqlbroker.SQLite(handle)
+	log := newRecLogger()
+	pub := newPublisher(t, db)
+	publish(t, pub, "t", "a", "b")
+	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxInFlight: 2, PollInterval: time.Minute, InitializeSchema: true}, log)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	msgs, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	got := []*message.Message{receive(t, msgs, 10*time.Second), receive(t, msgs, 10*time.Second)}
+
+	other, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(5000)")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = other.Close() })
+	hold, err := other.Conn(ctx)
+	require.NoError(t, err)
+	_, err = hold.ExecContext(ctx, "BEGIN IMMEDIATE")
+	require.NoError(t, err)
+	release := onceCleanup(t, func() {
+		_, _ = hold.ExecContext(ctx, "ROLLBACK")
+		_ = hold.Close()
+	})
+	for _, m := range got {
+		m.Ack()
+	}
+	// The ack statement waits on the lock; it has run for 20 polls in a row.
+	streak := 0
+	testdb.Eventually(t, 10*time.Second, "an ack waiting on the write lock", func() bool {
+		if sqlbroker.SubscriberRunning(sub) > 0 {
+			streak++
+		} else {
+			streak = 0
+		}
+		return streak >= 20
+	})
+
+	sctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	rep, err := sub.Shutdown(sctx)
+	returned := time.Now()
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.Equal(t, 0, sqlbroker.SubscriberRunning(sub), "a statement runs after Shutdown returned")
+	assert.Positive(t, rep.SettlementStatementsCancelled, "report: %+v", rep)
+	assert.Equal(t, 2, rep.SettlementsNotApplied, "report: %+v", rep)
+	assert.Equal(t, 2, rep.LeasesLeft, "report: %+v", rep)
+	assert.Zero(t, rep.StatementsAbandoned, "report: %+v", rep)
+	release()
+	sqliteQuiet(t, log, sub, returned, time.Second)
+	var n int
+	require.NoError(t, handle.QueryRow(`SELECT count(*) FROM `+tables("t").Claims+` WHERE "token" <> 0`).Scan(&n))
+	assert.Equal(t, 2, n, "an interrupted ack was applied")
+}
+
+// On SQLite, with the only connection of a bounded handle taken by someone else, the claim
+// waits for a connection; Shutdown ends that wait at once, and once the connection is free
+// again no claim runs (S11).
+func TestShutdown_S11_exhaustedSQLitePoolAcquire(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	path := testdb.SQLitePath(t)
+	handle, err := sql.Open("sqlite", "file:"+path)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = handle.Close() })
+	handle.SetMaxOpenConns(1)
+	pubHandle, err := sql.Open("sqlite", "file:"+path)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pubHandle.Close() })
+	log := newRecLogger()
+	pub := newPublisher(t, sqlbroker.SQLite(pubHandle))
+	sub, err := sqlbroker.NewSubscriber(sqlbroker.SQLite(handle), sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond, InitializeSchema: true}, log)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	msgs, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	publish(t, pub, "t", "x")
+	receive(t, msgs, 10*time.Second).Ack()
+	testdb.Eventually(t, 10*time.Second, "the ack", func() bool { return sub.Stats().Acked == 1 })
+
+	// Take the handle's only connection; the next claim waits for it.
+	c, err := handle.Conn(ctx)
+	require.NoError(t, err)
+	release := onceCleanup(t, func() { _ = c.Close() })
+	waited := handle.Stats().WaitCount
+	publish(t, pub, "t", "y")
+	testdb.Eventually(t, 10*time.Second, "the claim to wait for the connection", func() bool {
+		return handle.Stats().WaitCount > waited
+	})
+	sctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err = sub.Shutdown(sctx)
+	require.NoError(t, err, "Shutdown waited for the claim's connection")
+	assert.Less(t, time.Since(start), time.Second)
+	returned := time.Now()
+	release()
+	sqliteQuiet(t, log, sub, returned, 1500*time.Millisecond)
+	var n int
+	require.NoError(t, pubHandle.QueryRow(`SELECT count(*) FROM `+tables("t").Claims).Scan(&n))
+	assert.Equal(t, 0, n, "a claim ran after Shutdown returned")
+	assert.Equal(t, int64(1), sub.Stats().Claimed)
 }

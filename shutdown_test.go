@@ -2,6 +2,7 @@ package sqlbroker_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strings"
@@ -37,7 +38,9 @@ func backends(t *testing.T, app string) int {
 
 // A claim blocked on the server when its subscription stops is cancelled there, and Shutdown
 // returns only once the server has ended it: no backend of the library is left running it,
-// and none holds a lock on the topic's tables (S3).
+// and none holds a lock on the topic's tables (S3). PostgreSQL only: it blocks the claim on a
+// row lock and reads pg_stat_activity and pg_locks; on SQLite a claim waits on the database's
+// write lock instead, which TestSQLite_shutdownInterruptsClaimInFlight holds.
 func TestShutdown_S3_cancelledClaimRollsBack(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -82,14 +85,24 @@ func TestShutdown_S3_cancelledClaimRollsBack(t *testing.T) {
 // Lease mode: a delivery still in work at shutdown keeps its lease, which runs out: an ack
 // that comes after Shutdown returned is not applied (nothing of the subscriber waits for it
 // any more, S11), and both messages return to the queue after the lease, for a new
-// subscriber (S4).
+// subscriber (S4). On PostgreSQL and SQLite.
 func TestShutdown_S4_leaseModeDeliveriesKeepTheirLeases(t *testing.T) {
 	t.Parallel()
+	for _, d := range leaseDatabases {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			testLeaseModeDeliveriesKeepTheirLeases(t, d)
+		})
+	}
+}
+
+func testLeaseModeDeliveriesKeepTheirLeases(t *testing.T, d database) {
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
-	pub := newPublisher(t, pgxDB(t))
+	db, raw := d.openSQL(t)
+	pub := newPublisher(t, db)
 	sent := publish(t, pub, topic, "acked late", "never acked")
-	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: 2 * time.Second, LeaseRenewInterval: 200 * time.Millisecond})
+	sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: 2 * time.Second, LeaseRenewInterval: 200 * time.Millisecond})
 	msgs, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	got := map[string]*message.Message{}
@@ -105,10 +118,10 @@ func TestShutdown_S4_leaseModeDeliveriesKeepTheirLeases(t *testing.T) {
 
 	got["acked late"].Ack() // after Shutdown: not applied
 	holds(t, 500*time.Millisecond, "the late ack not applied", func() bool {
-		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token <> 0") == 2
+		return raw.count(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token <> 0") == 2
 	})
 
-	next := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
+	next := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
 	again, err := next.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	back := map[string]string{}
@@ -125,18 +138,33 @@ func TestShutdown_S4_leaseModeDeliveriesKeepTheirLeases(t *testing.T) {
 // A pool built from a URL closes last: new statements fail after Shutdown, a lease-mode
 // settlement after Shutdown is not applied and its message returns after the lease,
 // and ConnectionsClosed is the drop in the broker's backends. The caller's own pool stays
-// open (S6, S7).
+// open (S6, S7). On SQLite too, where the backends are not there to count: the broker's
+// pool of a sqlite: URL closes, and the caller's handle on the same file stays open.
 func TestShutdown_S6_S7_builtPoolClosesLastCallersPoolStaysOpen(t *testing.T) {
 	t.Parallel()
-	for _, scheme := range []string{"postgres", "libpq+postgres"} {
+	for _, scheme := range []string{"postgres", "libpq+postgres", "sqlite"} {
 		t.Run(scheme, func(t *testing.T) {
 			ctx := context.Background()
 			topic := testdb.Topic(t, "")
-			url, app := brokerURL(t, scheme)
+			var url, app string
+			var callers sqlbroker.DB
+			if scheme == "sqlite" {
+				path := testdb.SQLitePath(t)
+				url = "sqlite:" + path + "?mode=rwc"
+				h, err := sql.Open("sqlite", "file:"+path)
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = h.Close() })
+				callers = sqlbroker.SQLite(h)
+			} else {
+				url, app = brokerURL(t, scheme)
+				callers = pgxDB(t)
+			}
 			broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
 			require.NoError(t, err)
 			defer broker.Close()
-			assert.Equal(t, 0, backends(t, app), "Open connected")
+			if app != "" {
+				assert.Equal(t, 0, backends(t, app), "Open connected")
+			}
 
 			require.NoError(t, broker.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic))
 			pub, err := broker.NewPublisher(sqlbroker.PublisherConfig{})
@@ -157,12 +185,19 @@ func TestShutdown_S6_S7_builtPoolClosesLastCallersPoolStaysOpen(t *testing.T) {
 				})
 			}
 
-			before := backends(t, app)
-			require.Positive(t, before)
+			before := -1
+			if app != "" {
+				before = backends(t, app)
+				require.Positive(t, before)
+			}
 			rep, err := broker.Shutdown(ctx)
 			require.NoError(t, err)
-			testdb.Eventually(t, 5*time.Second, "the broker's backends to end", func() bool { return backends(t, app) == 0 })
-			assert.Equal(t, before, rep.ConnectionsClosed)
+			if app != "" {
+				testdb.Eventually(t, 5*time.Second, "the broker's backends to end", func() bool { return backends(t, app) == 0 })
+				assert.Equal(t, before, rep.ConnectionsClosed)
+			} else {
+				assert.Positive(t, rep.ConnectionsClosed)
+			}
 
 			err = pub.Publish(topic, message.NewMessage(watermill.NewUUID(), nil))
 			assert.ErrorIs(t, err, sqlbroker.ErrClosed)
@@ -173,9 +208,7 @@ func TestShutdown_S6_S7_builtPoolClosesLastCallersPoolStaysOpen(t *testing.T) {
 			assert.Equal(t, int64(0), sub.Stats().Acked)
 
 			// The caller's pool is the caller's: still open.
-			var one int
-			require.NoError(t, testdb.Pgx(t).QueryRow(ctx, "SELECT 1").Scan(&one))
-			other := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
+			other := newSubscriberOn(t, callers, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
 			again, err := other.Subscribe(ctx, topic)
 			require.NoError(t, err)
 			m2 := receive(t, again, 10*time.Second)
@@ -187,12 +220,36 @@ func TestShutdown_S6_S7_builtPoolClosesLastCallersPoolStaysOpen(t *testing.T) {
 
 // Publishers taken before Shutdown refuse every publish after it with ErrClosed, and no row is
 // written after Shutdown returns: every Publish that returned nil has its row (S8), including
-// a publisher bound to a caller's transaction.
+// a publisher bound to a caller's transaction. On PostgreSQL and SQLite.
 func TestShutdown_S8_publishersRefuseAfterShutdown(t *testing.T) {
 	t.Parallel()
+	for _, d := range leaseDatabases {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			testPublishersRefuseAfterShutdown(t, d)
+		})
+	}
+}
+
+func testPublishersRefuseAfterShutdown(t *testing.T, d database) {
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
-	url, _ := brokerURL(t, "postgres")
+	var url string
+	var raw rawSQL
+	if d.name == "sqlite" {
+		path := testdb.SQLitePath(t)
+		url = "sqlite:" + path + "?mode=rwc"
+		h, err := sql.Open("sqlite", "file:"+path)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = h.Close() })
+		raw = rawSQL{lite: h}
+	} else {
+		url, _ = brokerURL(t, "postgres")
+		raw = rawSQL{pg: testdb.Pgx(t)}
+	}
+	countMessages := func(t *testing.T, topic string) int {
+		return raw.count(t, "SELECT count(*) FROM "+tables(topic).Messages)
+	}
 	broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{MaxConns: 20}, nil)
 	require.NoError(t, err)
 	require.NoError(t, broker.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic))
@@ -246,7 +303,7 @@ func TestShutdown_S8_publishersRefuseAfterShutdown(t *testing.T) {
 	assert.Equal(t, rows, countMessages(t, topic), "a row was written after Shutdown returned")
 	var missing int
 	for _, id := range ok {
-		if queryInt(t, "SELECT count(*) FROM "+tables(topic).Messages+" WHERE uuid = $1", id) != 1 {
+		if raw.count(t, "SELECT count(*) FROM "+tables(topic).Messages+" WHERE uuid = $1", id) != 1 {
 			missing++
 		}
 	}
@@ -255,10 +312,19 @@ func TestShutdown_S8_publishersRefuseAfterShutdown(t *testing.T) {
 	// A publisher bound to a caller's transaction, taken before the shutdown, refuses too.
 	broker2, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
 	require.NoError(t, err)
-	tx, err := testdb.Pgx(t).Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
-	txPub, err := broker2.NewTxPublisher(sqlbroker.PgxTx(tx), sqlbroker.PublisherConfig{})
+	var txDB sqlbroker.DB
+	if raw.lite != nil {
+		tx, err := raw.lite.BeginTx(ctx, nil)
+		require.NoError(t, err)
+		defer func() { _ = tx.Rollback() }()
+		txDB = sqlbroker.SQLiteTx(tx)
+	} else {
+		tx, err := testdb.Pgx(t).Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = tx.Rollback(ctx) }()
+		txDB = sqlbroker.PgxTx(tx)
+	}
+	txPub, err := broker2.NewTxPublisher(txDB, sqlbroker.PublisherConfig{})
 	require.NoError(t, err)
 	require.NoError(t, broker2.Close())
 	assert.ErrorIs(t, txPub.Publish(topic, message.NewMessage(watermill.NewUUID(), nil)), sqlbroker.ErrClosed)
@@ -266,14 +332,28 @@ func TestShutdown_S8_publishersRefuseAfterShutdown(t *testing.T) {
 
 // With the hook, router.Run returns after the handlers drained and the library shut down,
 // whether the Router was closed or its context cancelled; the report is there to read and no
-// connection of the library is left (S10).
+// connection of the library is left (S10). On SQLite too, where no server is there to ask
+// about backends and locks: the write lock must be free, and the claims left are read from the
+// file.
 func TestShutdown_S10_routerHook(t *testing.T) {
 	t.Parallel()
-	for _, stopBy := range []string{"close", "cancel"} {
-		t.Run(stopBy, func(t *testing.T) {
+	for _, c := range []struct{ db, stopBy string }{{"pgx", "close"}, {"pgx", "cancel"}, {"sqlite", "close"}, {"sqlite", "cancel"}} {
+		stopBy := c.stopBy
+		t.Run(c.db+"/"+stopBy, func(t *testing.T) {
 			ctx := context.Background()
 			topic := testdb.Topic(t, "")
-			url, app := brokerURL(t, "postgres")
+			var url, app string
+			raw := rawSQL{pg: testdb.Pgx(t)}
+			if c.db == "sqlite" {
+				path := testdb.SQLitePath(t)
+				url = "sqlite:" + path + "?mode=rwc"
+				h, err := sql.Open("sqlite", "file:"+path)
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = h.Close() })
+				raw = rawSQL{lite: h}
+			} else {
+				url, app = brokerURL(t, "postgres")
+			}
 			broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
 			require.NoError(t, err)
 			require.NoError(t, broker.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic))
@@ -326,12 +406,16 @@ func TestShutdown_S10_routerHook(t *testing.T) {
 			assert.Equal(t, 0, rep.DeliveriesInWork, "Run returned before the handlers drained")
 			assert.Equal(t, 1, rep.Subscriptions)
 			assert.Positive(t, rep.ConnectionsClosed)
-			// The library has closed its connections; the server ends their backends a moment later.
-			testdb.Eventually(t, 5*time.Second, "no backend of the library left", func() bool { return backends(t, app) == 0 })
-			assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) WHERE a.application_name = $1", app))
+			if app != "" {
+				// The library has closed its connections; the server ends their backends a moment later.
+				testdb.Eventually(t, 5*time.Second, "no backend of the library left", func() bool { return backends(t, app) == 0 })
+				assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) WHERE a.application_name = $1", app))
+			} else {
+				raw.writeLockFree(t)
+			}
 			assert.ErrorIs(t, pub.Publish(topic, message.NewMessage(watermill.NewUUID(), nil)), sqlbroker.ErrClosed)
 			// What the handlers acked is settled; what was claimed and not handed out was given back.
-			assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token <> 0"))
+			assert.Equal(t, 0, raw.count(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token <> 0"))
 		})
 	}
 }

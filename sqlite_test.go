@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -117,9 +118,95 @@ func TestSQLite_shutdownInterruptsStatementInFlight(t *testing.T) {
 	assert.ErrorIs(t, pub.Publish("t", message.NewMessage(watermill.NewUUID(), []byte("after"))), sqlbroker.ErrClosed)
 }
 
+// Shutdown interrupts a claim that waits for SQLite's write lock (another process's
+// transaction holds it), and returns once the statement has ended: the claim is rolled back,
+// and the message it would have taken is handed out later, at its first attempt. Its
+// PostgreSQL counterpart, a claim blocked on a row lock, is TestShutdown_S3_cancelledClaimRollsBack.
+//
+// The claim is made to come at a known moment: the message is delayed, the subscription's
+// first claim passes it (its claim row is due at its time), and with a PollInterval of a
+// minute the subscription's next statement is the claim at that time.
+func TestSQLite_shutdownInterruptsClaimInFlight(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	path := testdb.SQLitePath(t)
+	handle, err := sql.Open("sqlite", "file:"+path)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = handle.Close() }) // after the subscribers' and publisher's closes
+	db := sqlbroker.SQLite(handle)
+	pub := newPublisher(t, db)
+	m := message.NewMessage(watermill.NewUUID(), []byte("delayed"))
+	delay.Message(m, delay.For(3*time.Second))
+	require.NoError(t, pub.Publish("t", m))
+	claims := tables("t").Claims
+
+	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: time.Minute, InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	defer sub.Close()
+	msgs, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	count := func(q string) int {
+		var n int
+		require.NoError(t, handle.QueryRow(q).Scan(&n))
+		return n
+	}
+	testdb.Eventually(t, 5*time.Second, "the delayed message passed", func() bool {
+		return count(`SELECT count(*) FROM `+claims+` WHERE "token" = 0`) == 1
+	})
+
+	other, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(5000)")
+	require.NoError(t, err)
+	defer other.Close()
+	hold, err := other.Conn(ctx)
+	require.NoError(t, err)
+	_, err = hold.ExecContext(ctx, "BEGIN IMMEDIATE")
+	require.NoError(t, err)
+	held := true
+	defer func() {
+		if held {
+			_, _ = hold.ExecContext(ctx, "ROLLBACK")
+		}
+		_ = hold.Close()
+	}()
+	// The claim reads first (is anything due?) without the write lock, for a moment: the
+	// statement is taken to wait for the lock once it has run for 20 polls in a row.
+	streak := 0
+	testdb.Eventually(t, 10*time.Second, "the claim to wait for the write lock", func() bool {
+		if sqlbroker.SubscriberRunning(sub) == 1 {
+			streak++
+		} else {
+			streak = 0
+		}
+		return streak >= 20
+	})
+
+	sctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	rep, _ := sub.Shutdown(sctx)
+	took := time.Since(start)
+	assert.Equal(t, 0, sqlbroker.SubscriberRunning(sub), "Shutdown returned before the claim ended")
+	assert.Equal(t, 1, rep.ClaimStatementsCancelled, "the report counts the claim interrupted")
+	assert.Less(t, took, 3*time.Second, "Shutdown waited for the busy timeout instead of interrupting")
+	_, open := <-msgs
+	assert.False(t, open, "a message was handed out")
+
+	_, err = hold.ExecContext(ctx, "ROLLBACK")
+	require.NoError(t, err)
+	held = false
+	assert.Equal(t, 1, count(`SELECT count(*) FROM `+claims+` WHERE "token" = 0 AND "attempts" = 0`), "the interrupted claim changed the claim row")
+
+	next := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
+	again, err := next.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	got := receive(t, again, 10*time.Second)
+	assert.Equal(t, m.UUID, got.UUID)
+	assert.Equal(t, "1", got.Metadata.Get(sqlbroker.MetadataAttempt))
+	got.Ack()
+}
+
 // A publisher inside the caller's SQLite transaction: its messages are seen exactly when the
-// caller commits, and never after a rollback; then delayed messages and MaxAttempts, which
-// SQLite does not do yet, are refused and nothing is written.
+// caller commits, and never after a rollback.
 func TestSQLite_txPublisherVisibleAtCommit(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -127,8 +214,6 @@ func TestSQLite_txPublisherVisibleAtCommit(t *testing.T) {
 	handle := testdb.SQLite(t)
 	db := sqlbroker.SQLite(handle)
 	topic := testdb.Topic(t, "sqlite-tx")
-	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
-	require.NoError(t, err)
 	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", InitializeSchema: true, PollInterval: 20 * time.Millisecond}, nil)
 	require.NoError(t, err)
 	defer sub.Close()
@@ -158,14 +243,7 @@ func TestSQLite_txPublisherVisibleAtCommit(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("the committed message never came")
 	}
-
-	delayed := message.NewMessage(watermill.NewUUID(), nil)
-	delayed.Metadata.Set("_watermill_delayed_until", time.Now().Add(time.Hour).UTC().Format(time.RFC3339))
-	assert.Error(t, pub.Publish(topic, delayed), "a delayed message is refused on SQLite")
 	var n int
 	require.NoError(t, handle.QueryRowContext(ctx, `SELECT count(*) FROM "sqlbroker_`+topic+`_messages"`).Scan(&n))
 	assert.Equal(t, 1, n, "only the committed message was written")
-
-	_, err = sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxAttempts: 3}, nil)
-	requireConfigError(t, err, "MaxAttempts", "SQLite")
 }

@@ -8,7 +8,7 @@ import (
 // FuzzValidateName checks that whatever ValidateName accepts is safe to quote and never
 // produces an identifier PostgreSQL would truncate.
 func FuzzValidateName(f *testing.F) {
-	for _, s := range []string{"orders", "", "a b", `x"; DROP TABLE t; --`, "ü", strings.Repeat("z", 300), "a/b:c.d-e_f"} {
+	for _, s := range []string{"orders", "", "a b", `x"; DROP TABLE t; --`, "ü", strings.Repeat("z", 300), "a/b:c.d-e_f", "$", "a$sqlbroker$b", "$1", "$$"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, name string) {

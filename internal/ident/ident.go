@@ -35,11 +35,19 @@ func (e *NameError) Error() string {
 
 func nameCharOK(r rune) bool {
 	return r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' ||
-		r == '_' || r == '-' || r == '.' || r == ':' || r == '/'
+		r == '_' || r == '-' || r == '.' || r == ':' || r == '/' || r == '$'
 }
 
 // ValidateName checks a topic or consumer group name: 1 to 255 bytes of ASCII letters, digits
-// and _ - . : /.
+// and _ - . : / $.
+//
+// They hold every character watermill-sql accepts in its topics (ASCII letters, digits and
+// - $ : . _), so that its topics move to this library unchanged, and /; spaces, quotes,
+// backslashes, control characters and anything beyond ASCII are refused. Every accepted character stands for itself inside a quoted
+// identifier, in PostgreSQL as in SQLite: only the double quote would need escaping there, and
+// it is refused. $ starts no parameter and no dollar quote inside quotes; where a name is
+// written into a dollar-quoted body, the tag is chosen so that the name cannot spell it. #
+// stays refused: the shortened table names of long topics use it (see TableName).
 func ValidateName(field, name string) error {
 	if name == "" {
 		return &NameError{Field: field, Value: name, Reason: "must not be empty"}
@@ -52,7 +60,7 @@ func ValidateName(field, name string) error {
 	}
 	for i, r := range name {
 		if !nameCharOK(r) {
-			return &NameError{Field: field, Value: name, Reason: fmt.Sprintf("character %q at byte %d is not allowed (allowed: ASCII letters, digits, _ - . : /)", r, i)}
+			return &NameError{Field: field, Value: name, Reason: fmt.Sprintf("character %q at byte %d is not allowed (allowed: ASCII letters, digits, _ - . : / $)", r, i)}
 		}
 	}
 	return nil

@@ -6,13 +6,15 @@ import (
 )
 
 func TestValidateName_M6(t *testing.T) {
-	good := []string{"a", "orders", "topic_5f1c-9a.v1", "events:OrderPlaced", "a/b", strings.Repeat("x", MaxNameLength)}
+	good := []string{"a", "orders", "topic_5f1c-9a.v1", "events:OrderPlaced", "a/b", strings.Repeat("x", MaxNameLength),
+		"$", "a$b", "price$usd", "$sqlbroker$", "x$1"}
 	for _, n := range good {
 		if err := ValidateName("topic", n); err != nil {
 			t.Errorf("ValidateName(%q) = %v, want nil", n, err)
 		}
 	}
-	bad := []string{"", " ", "a b", `x"; DROP TABLE t; --`, "ü", "a\x00b", "tab\t", strings.Repeat("x", MaxNameLength+1), "\xff"}
+	bad := []string{"", " ", "a b", `x"; DROP TABLE t; --`, "ü", "a\x00b", "tab\t", strings.Repeat("x", MaxNameLength+1), "\xff",
+		"a#b", "a'b", `a\b`, "a;b", "a%b", "a?b"}
 	for _, n := range bad {
 		err := ValidateName("topic", n)
 		if err == nil {

@@ -3,6 +3,7 @@ package offsets
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 )
@@ -46,6 +47,90 @@ SELECT k.o, EXISTS (SELECT 1 FROM d WHERE d."offset" = k.o) FROM k`
 // to, another topic's store, and returns the offsets it moved; the others were stale, as for
 // Ack. dropKeys are the two metadata keys (attempt, offset) the copy leaves out.
 func (s *Store) DeadLetter(ctx context.Context, q dbx.Querier, groupID int32, group string, fs []Fenced, to *Store, dropKeys [2]string) (map[int64]bool, error) {
+	if s.lite != nil {
+		return s.lite.deadLetter(ctx, q, s.T.Topic, groupID, group, fs, to.T.Messages, dropKeys)
+	}
 	sql := fmt.Sprintf(deadLetterSQL, s.T.Claims, s.T.Messages, to.T.Messages, s.with, s.cond)
 	return s.settle(ctx, q, sql, groupID, fs, s.T.Topic, group, dropKeys[0], dropKeys[1])
 }
+
+// deadLetterSQLite is deadLetterSQL on SQLite, where a DELETE cannot feed an INSERT in one
+// statement: the fenced claims are deleted (returning their attempts), then the copies are
+// inserted from VALUES rows (offset, attempts) of the claims deleted, in the one write
+// transaction, so both or neither. %[1]s: the messages table, %[2]s: the dead-letter topic's;
+// ?1 and ?2 are the JSON paths of the metadata keys dropped, ?3 the topic and ?4 the group.
+const deadLetterSQLite = `INSERT INTO %[2]s ("uuid", "payload", "metadata")
+SELECT m."uuid", m."payload", json_set(json_remove(m."metadata", ?1, ?2),
+	'$.` + MetaDeadLetterTopic + `', ?3, '$.` + MetaDeadLetterGroup + `', ?4,
+	'$.` + MetaDeadLetterAttempts + `', CAST(d."column2" AS TEXT), '$.` + MetaDeadLetterOffset + `', CAST(m."offset" AS TEXT))
+FROM (VALUES %[3]s) d JOIN %[1]s m ON m."offset" = d."column1"
+ORDER BY m."offset"`
+
+// deadLetter moves the fenced claims fs to the messages table to, in one write transaction,
+// and returns the offsets it moved (see Store.DeadLetter).
+func (s *sqliteStore) deadLetter(ctx context.Context, q dbx.Querier, topic string, groupID int32, group string, fs []Fenced, to string, dropKeys [2]string) (map[int64]bool, error) {
+	done := map[int64]bool{}
+	err := dbx.InSQLiteTx(ctx, q, func(tx dbx.Querier) error {
+		for len(fs) > 0 {
+			n := min(len(fs), sqliteSettleChunk)
+			var b strings.Builder
+			b.WriteString(s.dlDeletePrefix)
+			args := make([]any, 0, 1+2*n)
+			args = append(args, groupID)
+			for i, f := range fs[:n] {
+				if i > 0 {
+					b.WriteByte(',')
+				}
+				b.WriteString("(?,?)")
+				args = append(args, f.Offset, f.Token)
+			}
+			b.WriteString(`) RETURNING "offset", "attempts"`)
+			rows, err := tx.Query(ctx, b.String(), args...)
+			if err != nil {
+				return err
+			}
+			var moved []any // offset, attempts pairs
+			for rows.Next() {
+				var off, att int64
+				if err := rows.Scan(&off, &att); err != nil {
+					rows.Close()
+					return err
+				}
+				moved = append(moved, off, att)
+			}
+			rows.Close()
+			if err := rows.Err(); err != nil {
+				return err
+			}
+			if len(moved) > 0 {
+				// The four leading parameters are numbered (?1 to ?4): the VALUES rows follow
+				// them as ?5 onwards.
+				var vb strings.Builder
+				for i := range len(moved) / 2 {
+					if i > 0 {
+						vb.WriteByte(',')
+					}
+					fmt.Fprintf(&vb, "(?%d,?%d)", 5+2*i, 6+2*i)
+				}
+				sql := fmt.Sprintf(deadLetterSQLite, s.messages, to, vb.String())
+				iargs := append([]any{jsonPath(dropKeys[0]), jsonPath(dropKeys[1]), topic, group}, moved...)
+				if _, err := tx.Exec(ctx, sql, iargs...); err != nil {
+					return err
+				}
+				for i := 0; i < len(moved); i += 2 {
+					done[moved[i].(int64)] = true
+				}
+			}
+			fs = fs[n:]
+		}
+		return nil
+	})
+	if err != nil {
+		return map[int64]bool{}, err // rolled back: nothing was moved
+	}
+	return done, nil
+}
+
+// jsonPath is SQLite's JSON path of the object key k, quoted so that a key with dots is one
+// member (k holds no double quote: it is one of the library's metadata keys).
+func jsonPath(k string) string { return `$."` + k + `"` }

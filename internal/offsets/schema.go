@@ -30,6 +30,9 @@ type VersionError struct {
 }
 
 func (e *VersionError) Error() string {
+	if e.Found == sqliteNoDeliverAt {
+		return fmt.Sprintf("topic %q: table %s carries schema version v%d without its deliver_at column (delayed messages), which this library needs: set InitializeSchema: true, which adds the column in place", e.Topic, e.Table, e.Want)
+	}
 	if e.Found == fmt.Sprintf("%s%d", schemaCommentPrefix, upgradableVersion) {
 		return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: set InitializeSchema: true, or run the SQL of sqlbroker.SchemaSQL(%q, ...) in a migration (it upgrades v%d tables in place)", e.Topic, e.Table, e.Found, e.Want, e.Topic, upgradableVersion)
 	}
@@ -119,7 +122,7 @@ func (t Tables) check(ctx context.Context, q dbx.Querier, missingOK bool) error 
 // isUpgradable reports whether err is a VersionError for tables that SchemaSQL upgrades.
 func isUpgradable(err error) bool {
 	var v *VersionError
-	return errors.As(err, &v) && v.Found == fmt.Sprintf("%s%d", schemaCommentPrefix, upgradableVersion)
+	return errors.As(err, &v) && (v.Found == fmt.Sprintf("%s%d", schemaCommentPrefix, upgradableVersion) || v.Found == sqliteNoDeliverAt)
 }
 
 // IsMissing reports whether err is a MissingTableError.

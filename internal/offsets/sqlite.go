@@ -12,7 +12,9 @@ package offsets
 // A claim is one short write transaction (BEGIN IMMEDIATE) that takes many messages; a
 // settlement is one statement for many claims, fenced by each claim's key and token like on
 // PostgreSQL. With one writer no row changes under a statement: a settlement returns exactly
-// the claims it matched and applied.
+// the claims it matched and applied. A delayed message (deliver_at) and a move to the
+// dead-letter topic work as on PostgreSQL; where PostgreSQL does it in one statement,
+// SQLite takes two in one write transaction (a DELETE cannot feed an INSERT there).
 
 import (
 	"context"
@@ -49,7 +51,8 @@ func (t Tables) sqliteSchemaSQL() string {
 	"uuid"       TEXT    NOT NULL,
 	"payload"    BLOB    NOT NULL,
 	"metadata"   TEXT    NOT NULL DEFAULT '{}',
-	"created_at" INTEGER NOT NULL DEFAULT (%s)
+	"created_at" INTEGER NOT NULL DEFAULT (%s),
+	"deliver_at" INTEGER
 );
 `, t.Messages, schemaCommentPrefix, SchemaVersion, sqliteNow)
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s ( -- %s%s
@@ -74,23 +77,45 @@ func (t Tables) sqliteSchemaSQL() string {
 // sqliteCreateIn runs the DDL in the caller's write transaction: BEGIN IMMEDIATE holds the
 // database's write lock, which serialises concurrent creators as PostgreSQL's advisory lock
 // does.
+//
+// Tables written before delayed messages came to SQLite carry the same version without the
+// messages table's deliver_at column (sqliteNoDeliverAt): the column is added here. SQLite
+// adds a nullable column without a default by changing only the table's DDL, whatever the
+// number of rows, and every row reads NULL: not delayed. SchemaSQL cannot do it, as SQLite
+// has neither ADD COLUMN IF NOT EXISTS nor conditional DDL.
 func (t Tables) sqliteCreateIn(ctx context.Context, tx dbx.Querier) error {
+	upgrade := false
 	if err := t.sqliteCheck(ctx, tx, true); err != nil {
+		var v *VersionError
+		if !errors.As(err, &v) || v.Found != sqliteNoDeliverAt {
+			return err
+		}
+		upgrade = true
+	}
+	if _, err := tx.Exec(ctx, t.sqliteSchemaSQL()); err != nil {
 		return err
 	}
-	_, err := tx.Exec(ctx, t.sqliteSchemaSQL())
-	return err
+	if upgrade {
+		_, err := tx.Exec(ctx, fmt.Sprintf(`ALTER TABLE %s ADD COLUMN "deliver_at" INTEGER`, t.Messages))
+		return err
+	}
+	return nil
 }
 
+// sqliteNoDeliverAt is the VersionError.Found of a SQLite messages table that carries this
+// schema version without its deliver_at column, which InitializeSchema adds.
+var sqliteNoDeliverAt = fmt.Sprintf("%s%d without deliver_at", schemaCommentPrefix, SchemaVersion)
+
 func (t Tables) sqliteCheck(ctx context.Context, q dbx.Querier, missingOK bool) error {
-	var m, g, c int64
+	var m, g, c, deliverAt int64
 	var ddl string
 	err := dbx.QueryRow(ctx, q, `SELECT
 	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?),
 	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?),
 	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?),
-	coalesce((SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?), '')`,
-		[]any{t.MessagesName, t.GroupsName, t.ClaimsName, t.MessagesName}, &m, &g, &c, &ddl)
+	coalesce((SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?), ''),
+	EXISTS (SELECT 1 FROM pragma_table_info(?) WHERE name = 'deliver_at')`,
+		[]any{t.MessagesName, t.GroupsName, t.ClaimsName, t.MessagesName, t.MessagesName}, &m, &g, &c, &ddl, &deliverAt)
 	if err != nil {
 		return err
 	}
@@ -116,6 +141,9 @@ func (t Tables) sqliteCheck(ctx context.Context, q dbx.Querier, missingOK bool) 
 		if n, err := strconv.Atoi(found); err != nil || n != SchemaVersion {
 			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: schemaCommentPrefix + found, Want: SchemaVersion}
 		}
+		if deliverAt == 0 {
+			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: sqliteNoDeliverAt, Want: SchemaVersion}
+		}
 	}
 	return nil
 }
@@ -130,6 +158,7 @@ type sqliteStore struct {
 	dueSQL       string
 	readSQL      string // messages by offset: the prefix, then "?,?,...)"
 	insertPrefix string
+	insDelPrefix string // insertPrefix with the deliver_at column
 	ensureGrpSQL string
 	lookupGrpSQL string
 	pruneSQL     string
@@ -137,6 +166,9 @@ type sqliteStore struct {
 	nackPrefix   string
 	relPrefix    string
 	extPrefix    string
+
+	messages       string // the messages table
+	dlDeletePrefix string // the claims a dead-letter move deletes, with their attempts
 }
 
 func newSQLiteStore(t Tables) *sqliteStore {
@@ -145,10 +177,21 @@ func newSQLiteStore(t Tables) *sqliteStore {
 	EXISTS (SELECT 1 FROM %[2]s m WHERE m."offset" > g."last_offset"),
 	CASE WHEN ? THEN EXISTS (SELECT 1 FROM %[3]s c WHERE c."group_id" = g."group_id" AND c."visible_at" <= %[4]s) ELSE 0 END
 FROM %[1]s g WHERE g."group_id" = ?`, t.Groups, t.Messages, t.Claims, sqliteNow)
-	s.positionSQL = fmt.Sprintf(`SELECT "last_offset" FROM %s WHERE "group_id" = ?`, t.Groups)
-	s.readNewSQL = fmt.Sprintf(`SELECT "offset", "uuid", "payload", "metadata" FROM %s WHERE "offset" > ? ORDER BY "offset" LIMIT ?`, t.Messages)
+	// The claim of new messages reads the clock once, with the group's position, and both of
+	// its other statements decide with that one value which messages are delayed (deliver_at
+	// still to come): the one that reads them and the one that writes their claim rows. A
+	// delayed message gets a claim row due at its time with no holder (token 0, attempt 0),
+	// which the claims due again take once it has come, as on PostgreSQL; the group's
+	// position passes it.
+	s.positionSQL = fmt.Sprintf(`SELECT "last_offset", %s FROM %s WHERE "group_id" = ?`, sqliteNow, t.Groups)
+	s.readNewSQL = fmt.Sprintf(`SELECT "offset", "uuid", "payload", "metadata", coalesce(CASE WHEN "deliver_at" > ?1 THEN "deliver_at" END, 0)
+FROM %s WHERE "offset" > ?2 ORDER BY "offset" LIMIT ?3`, t.Messages)
 	s.insClaimsSQL = fmt.Sprintf(`INSERT INTO %[1]s ("group_id", "offset", "token", "visible_at", "attempts")
-SELECT ?, m."offset", ?, %[3]s + ?, 1 FROM %[2]s m WHERE m."offset" > ? AND m."offset" <= ?`, t.Claims, t.Messages, sqliteNow)
+SELECT ?1, m."offset",
+	CASE WHEN m."deliver_at" > ?4 THEN 0 ELSE ?2 END,
+	CASE WHEN m."deliver_at" > ?4 THEN m."deliver_at" ELSE %[3]s + ?3 END,
+	CASE WHEN m."deliver_at" > ?4 THEN 0 ELSE 1 END
+FROM %[2]s m WHERE m."offset" > ?5 AND m."offset" <= ?6`, t.Claims, t.Messages, sqliteNow)
 	s.advanceSQL = fmt.Sprintf(`UPDATE %s SET "last_offset" = ?, "updated_at" = %s WHERE "group_id" = ?`, t.Groups, sqliteNow)
 	s.dueSQL = fmt.Sprintf(`UPDATE %[1]s SET "token" = ?, "visible_at" = %[2]s + ?, "attempts" = "attempts" + 1
 WHERE "group_id" = ? AND "offset" IN (
@@ -157,6 +200,7 @@ WHERE "group_id" = ? AND "offset" IN (
 RETURNING "offset", "attempts"`, t.Claims, sqliteNow)
 	s.readSQL = fmt.Sprintf(`SELECT "offset", "uuid", "payload", "metadata" FROM %s WHERE "offset" IN (`, t.Messages)
 	s.insertPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata") VALUES `, t.Messages)
+	s.insDelPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata", "deliver_at") VALUES `, t.Messages)
 	s.ensureGrpSQL = fmt.Sprintf(`INSERT INTO %[1]s ("consumer_group", "last_offset", "updated_at")
 VALUES (?, CASE WHEN ? THEN coalesce((SELECT max("offset") FROM %[2]s), 0) ELSE 0 END, %[3]s)
 ON CONFLICT ("consumer_group") DO NOTHING
@@ -177,6 +221,8 @@ RETURNING "group_id"`, t.Groups, t.Messages, sqliteNow)
 		return fmt.Sprintf(`UPDATE %s SET %s WHERE "group_id" = ? AND ("offset", "token") IN (VALUES `, t.Claims, set)
 	}
 	s.ackPrefix = fmt.Sprintf(`DELETE FROM %s WHERE "group_id" = ? AND ("offset", "token") IN (VALUES `, t.Claims)
+	s.dlDeletePrefix = s.ackPrefix
+	s.messages = t.Messages
 	s.nackPrefix = fenced(`"token" = 0, "visible_at" = ` + sqliteNow + ` + ?`)
 	s.relPrefix = fenced(`"token" = 0, "visible_at" = ` + sqliteNow + `, "attempts" = max("attempts" - 1, 0)`)
 	s.extPrefix = fenced(`"visible_at" = ` + sqliteNow + ` + ?`)
@@ -275,20 +321,24 @@ func (s *sqliteStore) claimIn(ctx context.Context, tx dbx.Querier, groupID int32
 	if limit <= 0 {
 		return out, nil
 	}
-	var pos int64
-	if err := dbx.QueryRow(ctx, tx, s.positionSQL, []any{groupID}, &pos); err != nil {
+	var pos, now int64
+	if err := dbx.QueryRow(ctx, tx, s.positionSQL, []any{groupID}, &pos, &now); err != nil {
 		return out, err
 	}
-	rows, err := tx.Query(ctx, s.readNewSQL, pos, limit)
+	rows, err := tx.Query(ctx, s.readNewSQL, now, pos, limit)
 	if err != nil {
 		return out, err
 	}
 	first := len(out)
 	for rows.Next() {
 		c := Claimed{Attempts: 1}
-		if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata); err != nil {
+		var later int64
+		if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata, &later); err != nil {
 			rows.Close()
 			return out, err
+		}
+		if later != 0 {
+			c = Claimed{Offset: c.Offset, Delayed: time.UnixMilli(later)}
 		}
 		out = append(out, c)
 	}
@@ -300,13 +350,22 @@ func (s *sqliteStore) claimIn(ctx context.Context, tx dbx.Querier, groupID int32
 		return out, nil
 	}
 	last := out[len(out)-1].Offset
-	if _, err := tx.Exec(ctx, s.insClaimsSQL, groupID, token, lease, pos, last); err != nil {
+	if _, err := tx.Exec(ctx, s.insClaimsSQL, groupID, token, lease, now, pos, last); err != nil {
 		return out, err
 	}
 	if _, err := tx.Exec(ctx, s.advanceSQL, last, groupID); err != nil {
 		return out, err
 	}
 	return out, nil
+}
+
+// unixMilliCeil is t in Unix milliseconds, rounded up.
+func unixMilliCeil(t time.Time) int64 {
+	ms := t.UnixMilli()
+	if time.UnixMilli(ms).Before(t) {
+		ms++
+	}
+	return ms
 }
 
 func placeholders(n int) string {
@@ -349,23 +408,37 @@ func (s *sqliteStore) settle(ctx context.Context, q dbx.Querier, prefix string, 
 	return done, nil
 }
 
+// insert writes rows; a delayed row's deliver_at is its time in Unix milliseconds, rounded up
+// so that it is never handed out before that time.
 func (s *sqliteStore) insert(ctx context.Context, q dbx.Querier, rows []Row) error {
 	for len(rows) > 0 {
 		n := min(len(rows), maxRowsPerInsert)
+		delayed := anyDelayed(rows[:n])
+		prefix, tuple := s.insertPrefix, "(?,?,?)"
+		if delayed {
+			prefix, tuple = s.insDelPrefix, "(?,?,?,?)"
+		}
 		var b strings.Builder
-		b.Grow(len(s.insertPrefix) + n*8)
-		b.WriteString(s.insertPrefix)
-		args := make([]any, 0, n*3)
+		b.Grow(len(prefix) + n*10)
+		b.WriteString(prefix)
+		args := make([]any, 0, n*4)
 		for i, r := range rows[:n] {
 			if i > 0 {
 				b.WriteByte(',')
 			}
-			b.WriteString("(?,?,?)")
+			b.WriteString(tuple)
 			payload := r.Payload
 			if payload == nil {
 				payload = []byte{}
 			}
 			args = append(args, r.UUID, payload, r.Metadata)
+			if delayed {
+				var at any // NULL: not delayed
+				if !r.DeliverAt.IsZero() {
+					at = unixMilliCeil(r.DeliverAt)
+				}
+				args = append(args, at)
+			}
 		}
 		if _, err := q.Exec(ctx, b.String(), args...); err != nil {
 			return err

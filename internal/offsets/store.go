@@ -16,10 +16,6 @@ import (
 // locks of the advisory claim mode use other first halves (see package advisory).
 const SchemaLockKey1 int32 = 0x53427363 // "SBsc"
 
-// ErrDelayOnSQLite refuses a delayed message (Watermill's delay metadata) on SQLite, which
-// does not hold messages back yet: delivering it at once would break its delay silently.
-var ErrDelayOnSQLite = errors.New("delayed messages (_watermill_delayed_until) are not supported on SQLite: nothing was written")
-
 // Store runs the statements of one topic.
 type Store struct {
 	T Tables
@@ -581,9 +577,6 @@ func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''
 // one statement holds run it inside a transaction.
 func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row, channel string) error {
 	if s.lite != nil {
-		if anyDelayed(rows) {
-			return ErrDelayOnSQLite
-		}
 		return s.lite.insert(ctx, q, rows) // SQLite has no NOTIFY: channel does not apply
 	}
 	for len(rows) > 0 {

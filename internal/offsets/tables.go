@@ -108,12 +108,13 @@ func (t Tables) SchemaSQL() string {
 	// Tables of schema version 1 lack deliver_at. The catalog is read first: ALTER TABLE takes
 	// the table's ACCESS EXCLUSIVE lock even when the column exists, and this DDL also runs on
 	// tables that are up to date (a migration tool running it again).
-	fmt.Fprintf(&b, `DO $sqlbroker$ BEGIN
+	body := fmt.Sprintf(` BEGIN
 	IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = %[1]s::regclass AND attname = 'deliver_at' AND NOT attisdropped) THEN
 		ALTER TABLE %[2]s ADD COLUMN IF NOT EXISTS "deliver_at" timestamptz;
 	END IF;
-END $sqlbroker$;
-`, quoteLiteral(t.Messages), t.Messages)
+END `, quoteLiteral(t.Messages), t.Messages)
+	tag := dollarTag(body)
+	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
 	fmt.Fprintf(&b, "CREATE INDEX IF NOT EXISTS %s ON %s (\"xid\", \"offset\");\n", t.obj("_m_xid"), t.Messages)
 	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS '%s%d';\n", t.Messages, schemaCommentPrefix, SchemaVersion)
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
@@ -139,4 +140,16 @@ END $sqlbroker$;
 ) WITH (fillfactor = 70);
 `, t.Claims, t.obj("_c_pkey"))
 	return b.String()
+}
+
+// dollarTag returns a dollar-quote tag ($sqlbroker$, or a longer one) that body does not
+// contain. The body holds the table names, and a topic may contain $: the server ends a
+// dollar-quoted string at the first occurrence of its tag, wherever it stands, inside quotes
+// or not, so a topic spelling the tag would end the body early.
+func dollarTag(body string) string {
+	tag := "$sqlbroker$"
+	for strings.Contains(body, tag) {
+		tag = tag[:len(tag)-1] + "_$"
+	}
+	return tag
 }

@@ -19,6 +19,9 @@ func FuzzNewTables(f *testing.F) {
 		{"events:Order/Placed.v1", "events:Order/Placed.v2", "", "sqlbroker_"},
 		{`x"; DROP TABLE t; --`, "t", "", "sqlbroker_"},
 		{"ü", "u", "", "sqlbroker_"},
+		{"a$sqlbroker$b", "a$sqlbroker_$b", "", "sqlbroker_"},
+		{"$sqlbroker_$$sqlbroker$", "$", "app", "sqlbroker_"},
+		{"price$usd", "price.usd", "", "sqlbroker_"},
 	}
 	for _, s := range seeds {
 		f.Add(s.topic, s.other, s.schema, s.prefix)
@@ -61,8 +64,25 @@ func FuzzNewTables(f *testing.F) {
 				t.Fatalf("topic %q: object name %q is %d bytes", topic, n, len(n))
 			}
 		}
-		if sql := tb.SchemaSQL(); strings.Count(sql, `"`)%2 != 0 {
+		sql := tb.SchemaSQL()
+		if strings.Count(sql, `"`)%2 != 0 {
 			t.Fatalf("topic %q: unbalanced quotes in the schema SQL", topic)
+		}
+		// The DO block's dollar quote ends where it should: its tag occurs twice, and the
+		// body between holds the table name whole.
+		_, rest, ok := strings.Cut(sql, "DO ")
+		if !ok {
+			t.Fatalf("topic %q: no DO block in the schema SQL", topic)
+		}
+		tag := rest[:strings.Index(rest[1:], "$")+2]
+		if n := strings.Count(sql, tag); n != 2 {
+			t.Fatalf("topic %q: the dollar-quote tag %s occurs %d times", topic, tag, n)
+		}
+		if body := rest[len(tag):strings.LastIndex(rest, tag)]; !strings.Contains(body, tb.Messages) {
+			t.Fatalf("topic %q: the DO body does not hold %s whole", topic, tb.Messages)
+		}
+		if lite := tb.OnSQLite().SchemaSQL(); strings.Count(lite, `"`)%2 != 0 {
+			t.Fatalf("topic %q: unbalanced quotes in the SQLite schema SQL", topic)
 		}
 		if other != topic && ident.ValidateName("topic", other) == nil {
 			ob := NewTables(schema, prefix, other)
