@@ -17,8 +17,9 @@ import (
 // BenchmarkSQLiteIdleLook compares what an idle subscription on SQLite could run, once per
 // poll, to notice a commit of another process:
 //
-//   - claim: what it runs today, a claim of a group with nothing waiting and nothing due (the
-//     read-only look that comes before the write transaction, through the pool);
+//   - claim: a claim of a group with nothing waiting and nothing due (the read-only look that
+//     comes before the write transaction, through the pool), which every idle subscription
+//     ran every PollInterval before the library watched data_version;
 //   - data_version: PRAGMA data_version on a connection held for it (it changes when another
 //     connection commits);
 //   - stat-wal: os.Stat of the -wal file (a commit appends to it in WAL mode), no SQL at all.
