@@ -217,7 +217,9 @@ type SubscriberConfig struct {
 	// statement per pool for up to 64 idle subscriptions, not one per subscription: a service
 	// with 50 handlers on database/sql pays 10 statements a second at the default, whatever
 	// the number of handlers up to 64, and a message published elsewhere reaches it within
-	// about 100 ms. Defaults to DefaultPollInterval.
+	// about 100 ms. On SQLite it is how often each process looks whether the file changed,
+	// which wakes its idle subscriptions, so another process's commit is seen within it.
+	// Defaults to DefaultPollInterval.
 	PollInterval time.Duration
 
 	// IdlePollInterval is how often, while the pool's LISTEN connection delivers
@@ -230,7 +232,9 @@ type SubscriberConfig struct {
 	// runs a claim of its own only every 30 IdlePollIntervals besides. The look is one
 	// statement per pool for up to 64 idle subscriptions: a service with 50 handlers pays one
 	// statement a second at the default, where polling each subscription every PollInterval
-	// would cost 500. Defaults to DefaultIdlePollInterval, or PollInterval if that is longer.
+	// would cost 500. On SQLite an idle subscription claims by itself this often, for leases
+	// of other processes that ran out (they change nothing in the file). Defaults to
+	// DefaultIdlePollInterval, or PollInterval if that is longer.
 	IdlePollInterval time.Duration
 
 	// LeaseTTL is how long a claim stays with this subscriber without being extended (lease

@@ -62,11 +62,17 @@ func (sub *subscription) pokeDue() {
 
 // joinIdlePoll registers the subscription with its pool's shared poll; the claim loop calls
 // the returned leave when it ends, which stops the poll if this was its last subscription.
-// On SQLite a subscription does not park: its poll only reads, takes no write lock, and there
-// is no LISTEN to wake it from another process.
+// On SQLite a subscription does not park: there is no LISTEN to wake it from another process,
+// and it joins its pool's watch of commits instead (sqlitewatch.go).
 func (sub *subscription) joinIdlePoll() (leave func()) {
 	if sub.store.T.IsSQLite() {
-		return func() {}
+		w, leaveWatch := joinCommitWatch(sub)
+		sub.sqliteIdle.watch = w
+		return func() {
+			if leaveWatch() {
+				sub.connsClosed.Add(1)
+			}
+		}
 	}
 	p, e := acquirePoller(sub.s.db, sub)
 	sub.idle.entry = e

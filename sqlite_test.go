@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
@@ -246,4 +248,85 @@ func TestSQLite_txPublisherVisibleAtCommit(t *testing.T) {
 	var n int
 	require.NoError(t, handle.QueryRowContext(ctx, `SELECT count(*) FROM "sqlbroker_`+topic+`_messages"`).Scan(&n))
 	assert.Equal(t, 1, n, "only the committed message was written")
+}
+
+// An idle subscription on SQLite sees a commit of another connection (another process, for
+// SQLite: nothing in this process wakes it) through its pool's watch of commits, which holds
+// one connection of the pool. The last subscription's stop closes that connection and counts
+// it in ConnectionsClosed.
+func TestSQLite_commitOfAnotherConnectionSeen(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	path := testdb.SQLitePath(t)
+	raw, err := sql.Open("sqlite", "file:"+path)
+	require.NoError(t, err)
+	defer raw.Close()
+	raw.SetMaxOpenConns(8)
+	raw.SetMaxIdleConns(8) // idle connections stay: the pool's count moves only by what closes them
+	const topic = "watched"
+	sub, err := sqlbroker.NewSubscriber(sqlbroker.SQLite(raw), sqlbroker.SubscriberConfig{ConsumerGroup: "g", InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	msgs, err := sub.Subscribe(sctx, topic)
+	require.NoError(t, err)
+	testdb.Eventually(t, 10*time.Second, "the watch's connection held", func() bool { return raw.Stats().InUse == 1 })
+
+	other, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(5000)")
+	require.NoError(t, err)
+	defer other.Close()
+	insert := "INSERT INTO " + offsets.NewTables("", sqlbroker.DefaultTablePrefix, topic).OnSQLite().Messages + ` ("uuid", "payload", "metadata") VALUES (?, ?, '{}')`
+	for i := range 3 {
+		id := watermill.NewUUID()
+		_, err := other.ExecContext(ctx, insert, id, []byte(fmt.Sprint(i)))
+		require.NoError(t, err)
+		select {
+		case m := <-msgs:
+			assert.Equal(t, id, m.UUID)
+			m.Ack()
+		case <-time.After(10 * time.Second):
+			t.Fatalf("message %d of another connection not delivered within 10s", i)
+		}
+	}
+
+	rep, err := sub.Shutdown(ctx)
+	require.NoError(t, err)
+	assert.GreaterOrEqual(t, rep.ConnectionsClosed, 1, "the watch's connection: %+v", rep)
+	assert.Zero(t, raw.Stats().InUse, "a connection still held after the shutdown")
+}
+
+// A pool limited to one connection cannot spare one for the watch: subscriptions look by
+// themselves every PollInterval, and still see another connection's commit (a watch holding
+// the one connection would leave none for the claims).
+func TestSQLite_oneConnectionPoolPolls(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	path := testdb.SQLitePath(t)
+	raw, err := sql.Open("sqlite", "file:"+path)
+	require.NoError(t, err)
+	defer raw.Close()
+	raw.SetMaxOpenConns(1)
+	const topic = "polled"
+	sub, err := sqlbroker.NewSubscriber(sqlbroker.SQLite(raw), sqlbroker.SubscriberConfig{ConsumerGroup: "g", InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	msgs, err := sub.Subscribe(sctx, topic)
+	require.NoError(t, err)
+	other, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(5000)")
+	require.NoError(t, err)
+	defer other.Close()
+	id := watermill.NewUUID()
+	_, err = other.ExecContext(ctx, "INSERT INTO "+offsets.NewTables("", sqlbroker.DefaultTablePrefix, topic).OnSQLite().Messages+` ("uuid", "payload", "metadata") VALUES (?, 'x', '{}')`, id)
+	require.NoError(t, err)
+	select {
+	case m := <-msgs:
+		assert.Equal(t, id, m.UUID)
+		m.Ack()
+	case <-time.After(10 * time.Second):
+		t.Fatal("the message of another connection not delivered within 10s")
+	}
+	_, err = sub.Shutdown(ctx)
+	require.NoError(t, err)
+	assert.Zero(t, raw.Stats().InUse)
 }

@@ -329,8 +329,9 @@ type subscription struct {
 	adv *advisoryState // advisory-lock mode only (subscriber_advisory.go)
 	dlq *offsets.Store // the dead-letter topic's, with MaxAttempts only (deadletter.go)
 
-	dueAt atomic.Int64 // UnixNano from when a claim of this subscription is due again; 0: none
-	idle  idleState    // parking while there is nothing to claim (idlepoll.go)
+	dueAt      atomic.Int64 // UnixNano from when a claim of this subscription is due again; 0: none
+	idle       idleState    // parking while there is nothing to claim (idlepoll.go)
+	sqliteIdle sqliteIdle   // on SQLite: when an idle claim may be skipped (sqlitewatch.go)
 
 	settleCh   chan settlement
 	awaits     sync.WaitGroup // await goroutines; settleCh closes when they are all done
@@ -533,9 +534,17 @@ func (sub *subscription) claimLoop() {
 		n := sub.gather()
 
 		now := time.Now()
-		withDue := sub.wantDue(&due, now)
-		claimed, token, err := sub.claim(buf[:0], n, withDue) // none when err != nil
-		due.claimed(withDue, now.Add(sub.cfg.PollInterval), claimed, n, err)
+		var claimed []offsets.Claimed
+		var token int64
+		var err error
+		withDue := false
+		if sub.lookNeeded(now) { // else nothing changed since a claim found nothing (sqlitewatch.go)
+			sub.looking(now)
+			withDue = sub.wantDue(&due, now)
+			claimed, token, err = sub.claim(buf[:0], n, withDue) // none when err != nil
+			due.claimed(withDue, now.Add(sub.cfg.PollInterval), claimed, n, err)
+			sub.sqliteIdle.mustLook = err != nil || len(claimed) > 0
+		}
 		for range n - len(claimed) {
 			<-sub.held
 		}
@@ -562,6 +571,7 @@ func (sub *subscription) claimLoop() {
 				return
 			}
 			if woken {
+				sub.sqliteIdle.mustLook = true
 				idle = firstRetryAfterWake
 			} else {
 				idle = min(idle*2, sub.cfg.PollInterval)

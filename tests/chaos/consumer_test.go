@@ -356,6 +356,14 @@ func runConsumer() int {
 	if runErr != nil {
 		out.RunErr = runErr.Error()
 	}
+	if strings.HasPrefix(cfg.URL, "sqlite:") {
+		// A SQLite database has no server to ask what the shutdown left.
+		printReport("CHAOS-FINAL", out)
+		if runErr != nil {
+			return exitRunFailed
+		}
+		return 0
+	}
 	// What the shutdown left: the server ends a closed connection's backend a moment later.
 	app := appName(cfg.URL)
 	qctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

@@ -23,11 +23,11 @@ import (
 //     not be applied before its shutdown's deadline), or it recorded, for that offset, a lost
 //     claim, a refused settlement or a settlement not applied, itself explained;
 //   - a refused settlement: a lost claim of that offset in that process, itself explained; the
-//     process frozen past its lease; a lease-mode lease that ran out under a table lock held
-//     longer than the lease; an advisory-mode settlement after the process's own shutdown
+//     process frozen past its lease; a lease-mode lease that ran out under a table lock (or, on
+//     SQLite, the file's write lock held by a frozen process) held longer than the lease; an advisory-mode settlement after the process's own shutdown
 //     released its lock;
-//   - a lost claim: the process frozen past its lease; in lease mode, a table lock held longer
-//     than the lease; in advisory mode, the failure of the lock connection, explained only by
+//   - a lost claim: the process frozen past its lease; in lease mode, a table lock (on SQLite,
+//     the write lock of a frozen process) held longer than the lease; in advisory mode, the failure of the lock connection, explained only by
 //     the test terminating a backend of that process (or restarting the server) just before: a
 //     lock connection the library closed by itself is a defect.
 
@@ -66,7 +66,7 @@ func ts(n int64) time.Time { return time.Unix(0, n) }
 func hits(f fault, proc string) bool { return len(f.Procs) == 0 || slices.Contains(f.Procs, proc) }
 
 func isLockWindow(kind string) bool {
-	return kind == faultTableLock || kind == faultAlter || kind == faultStopLock
+	return kind == faultTableLock || kind == faultAlter || kind == faultStopLock || kind == faultWriteLock
 }
 
 // frozen: a freeze of proc longer than the lease that ended while the delivery that began at

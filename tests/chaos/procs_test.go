@@ -45,6 +45,7 @@ const (
 	faultAlter     = "alter"     // ALTER TABLE queued behind a long transaction, and what queued behind it
 	faultStopLock  = "stoplock"  // a clean stop (SIGTERM) of Procs while the test holds a table lock
 	faultRestart   = "restart"   // PostgreSQL restarted
+	faultWriteLock = "writelock" // SQLite: a process frozen inside a write transaction holds the file's write lock
 )
 
 // history keeps the faults of a run and the events every consumer process printed.
