@@ -132,12 +132,11 @@ func TestChaos(t *testing.T) {
 
 // envSkipLeaseLocks=1 leaves out, in lease mode only, the table locks held while messages are
 // in work (LOCK TABLE, the ALTER pile-up, the clean stop under a lock); the final stop under a
-// lock stays. It is there for a known defect, which the suite reports as unexplained
-// duplicates and refusals while the faults run: a lease-mode claim statement that waits on a
-// table lock for longer than LeaseTTL writes leases that have already run out (visible_at is
-// now() + LeaseTTL, and now() is the start of its transaction), while the subscriber counts
-// its lease from the statement's return; the next claim round takes those messages again, so
-// each is handled twice and its first ack is refused although its lease was never lost.
+// lock stays. It tells a failure that the locks cause from one they do not. The locks once
+// exposed a defect, fixed since: a claim that waited on a table lock for longer than LeaseTTL
+// wrote leases that had already run out (they counted from the start of its transaction), so
+// the next claim round took those messages again. Leases now count from when the claim row is
+// written.
 const envSkipLeaseLocks = "SQLBROKER_CHAOS_SKIP_LEASE_TABLE_LOCKS"
 
 type totals struct {
@@ -400,7 +399,7 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	cycle := []string{"kill", "tablelock", "terminate", "stoplock", "freeze", "alter", "terminate", "xmin", "kill", "terminate", "freeze"}
 	skipLocks := mode == sqlbroker.ClaimLease && os.Getenv(envSkipLeaseLocks) == "1"
 	if skipLocks {
-		t.Logf("%s=1: no table lock while messages are in work in lease mode (known defect, see envSkipLeaseLocks)", envSkipLeaseLocks)
+		t.Logf("%s=1: no table lock while messages are in work in lease mode (see envSkipLeaseLocks)", envSkipLeaseLocks)
 		tot.locksSkipped = true
 	}
 	forced := func() bool { return skipLocks || tot.tableLocks > 0 && tot.alters > 0 && tot.stopLocks > 0 }
@@ -789,7 +788,7 @@ func printTotals(t *testing.T, tot totals, fig recovery) {
 	fmt.Fprintf(&b, "table locks             %d LOCK TABLE ... IN ACCESS EXCLUSIVE MODE of the topic's tables held %s (%d of them during a clean stop of %v, and one during the final stop of every consumer); %d ALTER TABLE ... ADD COLUMN queued %s behind a reading transaction, with %v library statements queued behind them; %d of the test's lock statements ended by the deadlock detector and run again\n",
 		tot.tableLocks+tot.stopLocks, fmtDurations(tot.tableLockHeld), tot.stopLocks, tot.stopUnderLock, tot.alters, alterBlockFor, tot.alterQueued, tot.lockDeadlocks)
 	if tot.locksSkipped {
-		fmt.Fprintf(&b, "table locks while messages are in work: left out (%s=1, a known defect of the lease-mode claim under a lock)\n", envSkipLeaseLocks)
+		fmt.Fprintf(&b, "table locks while messages are in work: left out (%s=1)\n", envSkipLeaseLocks)
 	}
 	fmt.Fprintf(&b, "shutdowns               %d clean; right after each returned: %d library backends active or waiting, %d advisory locks held; claim statements cancelled on the server %d; %d stopped under a lock returned at their deadline\n",
 		tot.cleanExits, tot.activeAtOnce, tot.locksAtOnce, tot.queriesCancelled, tot.stopDeadline)
