@@ -667,12 +667,7 @@ type recovery struct {
 func measureRecovery(t *testing.T, f *fleet, pub *sqlbroker.Publisher, topic, results, libPrefix string, fig *recovery) {
 	ctx := context.Background()
 	db := testdb.Pgx(t)
-	at := func(uuid, kind string) (time.Time, string, bool) {
-		var ts time.Time
-		var who string
-		err := db.QueryRow(ctx, "SELECT at, consumer FROM "+results+" WHERE uuid = $1 AND kind = $2 ORDER BY at LIMIT 1", uuid, kind).Scan(&ts, &who)
-		return ts, who, err == nil
-	}
+	at := firstEvent(t, results)
 	now := func() time.Time {
 		var ts time.Time
 		require.NoError(t, db.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&ts))
@@ -702,29 +697,52 @@ func measureRecovery(t *testing.T, f *fleet, pub *sqlbroker.Publisher, topic, re
 		fig.resume = append(fig.resume, ping(true))
 	}
 	for range 3 {
-		msg := message.NewMessage(watermill.NewUUID(), []byte(probeHold))
-		require.NoError(t, pub.Publish(topic, msg))
 		fig.probes++
-		var holder string
-		testdb.Eventually(t, 30*time.Second, "the hold probe taken", func() bool {
-			var ok bool
-			_, holder, ok = at(msg.UUID, "seen")
-			return ok
-		})
-		slot := f.slotOf(holder)
-		require.GreaterOrEqual(t, slot, 0, "holder %s", holder)
-		f.kill(slot)
-		t0 := now()
-		var done time.Time
-		testdb.Eventually(t, 30*time.Second, "the held message redelivered", func() bool {
-			var ok bool
-			done, _, ok = at(msg.UUID, "done")
-			return ok
-		})
-		fig.killRedelivery = append(fig.killRedelivery, done.Sub(t0))
-		f.start(slot)
-		f.waitReady(slot)
+		fig.killRedelivery = append(fig.killRedelivery, killHolder(t, f, pub, topic, at, now))
 	}
+}
+
+// firstEvent returns a lookup of the first event of a kind ("seen", "done") that a consumer
+// recorded for a message in the results table: its time (the server's clock), the consumer,
+// and whether there is one.
+func firstEvent(t *testing.T, results string) func(uuid, kind string) (time.Time, string, bool) {
+	db := testdb.Pgx(t)
+	return func(uuid, kind string) (time.Time, string, bool) {
+		var ts time.Time
+		var who string
+		err := db.QueryRow(context.Background(), "SELECT at, consumer FROM "+results+" WHERE uuid = $1 AND kind = $2 ORDER BY at LIMIT 1", uuid, kind).Scan(&ts, &who)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			require.NoError(t, err)
+		}
+		return ts, who, err == nil
+	}
+}
+
+// killHolder publishes a message whose handler holds it, SIGKILLs the consumer process that
+// took it, and returns how long after the kill (by now, a clock comparable with the results
+// table's) another consumer handled it; the killed consumer is started again.
+func killHolder(t *testing.T, f *fleet, pub *sqlbroker.Publisher, topic string, at func(uuid, kind string) (time.Time, string, bool), now func() time.Time) time.Duration {
+	msg := message.NewMessage(watermill.NewUUID(), []byte(probeHold))
+	require.NoError(t, pub.Publish(topic, msg))
+	var holder string
+	testdb.Eventually(t, 30*time.Second, "the hold probe taken", func() bool {
+		var ok bool
+		_, holder, ok = at(msg.UUID, "seen")
+		return ok
+	})
+	slot := f.slotOf(holder)
+	require.GreaterOrEqual(t, slot, 0, "holder %s", holder)
+	f.kill(slot)
+	t0 := now()
+	var done time.Time
+	testdb.Eventually(t, 30*time.Second, "the held message redelivered", func() bool {
+		var ok bool
+		done, _, ok = at(msg.UUID, "done")
+		return ok
+	})
+	f.start(slot)
+	f.waitReady(slot)
+	return done.Sub(t0)
 }
 
 // restartServer restarts PostgreSQL with cmd and returns how long the command took, and how

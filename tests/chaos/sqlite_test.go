@@ -313,17 +313,7 @@ func procState(pid int) byte {
 // in this process takes to be handled by a consumer process (which only polls the file for it),
 // and how long after a SIGKILL of the consumer holding a message another one handles it.
 func measureSQLiteRecovery(t *testing.T, f *fleet, pub *sqlbroker.Publisher, topic, results string, tot *sqliteTotals) {
-	ctx := context.Background()
-	db := testdb.Pgx(t)
-	at := func(uuid, kind string) (time.Time, string, bool) {
-		var ts time.Time
-		var who string
-		err := db.QueryRow(ctx, "SELECT at, consumer FROM "+results+" WHERE uuid = $1 AND kind = $2 ORDER BY at LIMIT 1", uuid, kind).Scan(&ts, &who)
-		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
-			require.NoError(t, err)
-		}
-		return ts, who, err == nil
-	}
+	at := firstEvent(t, results)
 	for range 5 {
 		t0 := time.Now()
 		msg := message.NewMessage(watermill.NewUUID(), []byte(probePing))
@@ -338,29 +328,9 @@ func measureSQLiteRecovery(t *testing.T, f *fleet, pub *sqlbroker.Publisher, top
 		tot.ping = append(tot.ping, done.Sub(t0))
 	}
 	for range 2 {
-		msg := message.NewMessage(watermill.NewUUID(), []byte(probeHold))
-		require.NoError(t, pub.Publish(topic, msg))
 		tot.probes++
-		var holder string
-		testdb.Eventually(t, 30*time.Second, "the hold probe taken", func() bool {
-			var ok bool
-			_, holder, ok = at(msg.UUID, "seen")
-			return ok
-		})
-		slot := f.slotOf(holder)
-		require.GreaterOrEqual(t, slot, 0, "holder %s", holder)
-		f.kill(slot)
 		tot.kills++
-		t0 := time.Now()
-		var done time.Time
-		testdb.Eventually(t, 30*time.Second, "the held message redelivered", func() bool {
-			var ok bool
-			done, _, ok = at(msg.UUID, "done")
-			return ok
-		})
-		tot.killRedelivery = append(tot.killRedelivery, done.Sub(t0))
-		f.start(slot)
-		f.waitReady(slot)
+		tot.killRedelivery = append(tot.killRedelivery, killHolder(t, f, pub, topic, at, time.Now))
 	}
 }
 
