@@ -2,7 +2,6 @@ package sqlbroker_test
 
 import (
 	"context"
-	"database/sql"
 	"sync"
 	"testing"
 	"time"
@@ -37,18 +36,11 @@ func newHookedBroker(t *testing.T, cfg sqlbroker.SubscriberConfig, closeTimeout 
 // newHookedBrokerOn is newHookedBroker on the database named db: "pgx" or "sqlite".
 func newHookedBrokerOn(t *testing.T, db string, cfg sqlbroker.SubscriberConfig, closeTimeout time.Duration, topics ...string) *hookedBroker {
 	t.Helper()
-	var url, app string
-	raw := rawSQL{pg: testdb.Pgx(t)}
+	scheme := "postgres"
 	if db == "sqlite" {
-		path := testdb.SQLitePath(t)
-		url = "sqlite:" + path + "?mode=rwc"
-		h, err := sql.Open("sqlite", "file:"+path)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = h.Close() })
-		raw = rawSQL{lite: h}
-	} else {
-		url, app = brokerURL(t, "postgres")
+		scheme = "sqlite"
 	}
+	url, app, raw, _ := brokerTarget(t, scheme)
 	broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = broker.Close() })

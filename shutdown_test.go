@@ -32,6 +32,23 @@ func brokerURL(t *testing.T, scheme string) (string, string) {
 	return u, app
 }
 
+// brokerTarget returns a URL for sqlbroker.Open on a database of its own for this test and a
+// handle on the same data for the test's own statements: scheme is "sqlite" (a file of the
+// test) or a PostgreSQL scheme of brokerURL, whose application name app marks the broker's
+// backends (empty on SQLite).
+func brokerTarget(t *testing.T, scheme string) (url, app string, raw rawSQL, handle *sql.DB) {
+	t.Helper()
+	if scheme != "sqlite" {
+		url, app = brokerURL(t, scheme)
+		return url, app, rawSQL{pg: testdb.Pgx(t)}, nil
+	}
+	path := testdb.SQLitePath(t)
+	h, err := sql.Open("sqlite", "file:"+path)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = h.Close() })
+	return "sqlite:" + path + "?mode=rwc", "", rawSQL{lite: h}, h
+}
+
 func backends(t *testing.T, app string) int {
 	return queryInt(t, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app)
 }
@@ -146,17 +163,11 @@ func TestShutdown_S6_S7_builtPoolClosesLastCallersPoolStaysOpen(t *testing.T) {
 		t.Run(scheme, func(t *testing.T) {
 			ctx := context.Background()
 			topic := testdb.Topic(t, "")
-			var url, app string
+			url, app, _, h := brokerTarget(t, scheme)
 			var callers sqlbroker.DB
-			if scheme == "sqlite" {
-				path := testdb.SQLitePath(t)
-				url = "sqlite:" + path + "?mode=rwc"
-				h, err := sql.Open("sqlite", "file:"+path)
-				require.NoError(t, err)
-				t.Cleanup(func() { _ = h.Close() })
+			if h != nil {
 				callers = sqlbroker.SQLite(h)
 			} else {
-				url, app = brokerURL(t, scheme)
 				callers = pgxDB(t)
 			}
 			broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
@@ -234,19 +245,11 @@ func TestShutdown_S8_publishersRefuseAfterShutdown(t *testing.T) {
 func testPublishersRefuseAfterShutdown(t *testing.T, d database) {
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
-	var url string
-	var raw rawSQL
+	scheme := "postgres"
 	if d.name == "sqlite" {
-		path := testdb.SQLitePath(t)
-		url = "sqlite:" + path + "?mode=rwc"
-		h, err := sql.Open("sqlite", "file:"+path)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = h.Close() })
-		raw = rawSQL{lite: h}
-	} else {
-		url, _ = brokerURL(t, "postgres")
-		raw = rawSQL{pg: testdb.Pgx(t)}
+		scheme = "sqlite"
 	}
+	url, _, raw, _ := brokerTarget(t, scheme)
 	countMessages := func(t *testing.T, topic string) int {
 		return raw.count(t, "SELECT count(*) FROM "+tables(topic).Messages)
 	}
@@ -342,18 +345,11 @@ func TestShutdown_S10_routerHook(t *testing.T) {
 		t.Run(c.db+"/"+stopBy, func(t *testing.T) {
 			ctx := context.Background()
 			topic := testdb.Topic(t, "")
-			var url, app string
-			raw := rawSQL{pg: testdb.Pgx(t)}
+			scheme := "postgres"
 			if c.db == "sqlite" {
-				path := testdb.SQLitePath(t)
-				url = "sqlite:" + path + "?mode=rwc"
-				h, err := sql.Open("sqlite", "file:"+path)
-				require.NoError(t, err)
-				t.Cleanup(func() { _ = h.Close() })
-				raw = rawSQL{lite: h}
-			} else {
-				url, app = brokerURL(t, "postgres")
+				scheme = "sqlite"
 			}
+			url, app, raw, _ := brokerTarget(t, scheme)
 			broker, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
 			require.NoError(t, err)
 			require.NoError(t, broker.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic))
