@@ -73,6 +73,25 @@ func (r rawSQL) exec(t *testing.T, query string, args ...any) {
 	require.NoError(t, err)
 }
 
+// holdWriteLock takes the write lock of the SQLite file at path on a connection of its own
+// (BEGIN IMMEDIATE), as a writer of another process would, until release is called or the
+// test ends.
+func holdWriteLock(t *testing.T, path string) (release func()) {
+	t.Helper()
+	ctx := context.Background()
+	other, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(5000)")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = other.Close() })
+	hold, err := other.Conn(ctx)
+	require.NoError(t, err)
+	_, err = hold.ExecContext(ctx, "BEGIN IMMEDIATE")
+	require.NoError(t, err)
+	return onceCleanup(t, func() {
+		_, _ = hold.ExecContext(ctx, "ROLLBACK")
+		_ = hold.Close()
+	})
+}
+
 // writeLockFree asserts that no connection holds SQLite's write lock: another one takes it at
 // once, without waiting.
 func (r rawSQL) writeLockFree(t *testing.T) {

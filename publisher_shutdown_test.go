@@ -237,7 +237,6 @@ func TestPublisher_S11_closeTimeoutCancelsOnTheServer(t *testing.T) {
 // and nothing of it is written.
 func TestPublisher_S11_closeTimeoutInterruptsSQLiteWriteLockWait(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	path := testdb.SQLitePath(t)
 	handle, err := sql.Open("sqlite", "file:"+path)
 	require.NoError(t, err)
@@ -246,17 +245,7 @@ func TestPublisher_S11_closeTimeoutInterruptsSQLiteWriteLockWait(t *testing.T) {
 	require.NoError(t, err)
 	publish(t, pub, "t", "creates the tables")
 
-	other, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(5000)")
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = other.Close() })
-	hold, err := other.Conn(ctx)
-	require.NoError(t, err)
-	_, err = hold.ExecContext(ctx, "BEGIN IMMEDIATE")
-	require.NoError(t, err)
-	release := onceCleanup(t, func() {
-		_, _ = hold.ExecContext(ctx, "ROLLBACK")
-		_ = hold.Close()
-	})
+	release := holdWriteLock(t, path)
 	published := publishAsync(pub, "t", newMessages(1, "blocked")...)
 	testdb.Eventually(t, 5*time.Second, "the publish to wait for the write lock", func() bool {
 		return sqlbroker.PublisherRunning(pub) == 1

@@ -414,17 +414,7 @@ func TestShutdown_S11_settlementBlockedOnSQLiteWriteLock(t *testing.T) {
 	require.NoError(t, err)
 	got := []*message.Message{receive(t, msgs, 10*time.Second), receive(t, msgs, 10*time.Second)}
 
-	other, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(5000)")
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = other.Close() })
-	hold, err := other.Conn(ctx)
-	require.NoError(t, err)
-	_, err = hold.ExecContext(ctx, "BEGIN IMMEDIATE")
-	require.NoError(t, err)
-	release := onceCleanup(t, func() {
-		_, _ = hold.ExecContext(ctx, "ROLLBACK")
-		_ = hold.Close()
-	})
+	release := holdWriteLock(t, path)
 	for _, m := range got {
 		m.Ack()
 	}
