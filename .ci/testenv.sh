@@ -116,7 +116,9 @@ free_port() { # a port nothing listens on (the caller retries when another proce
 
 cleanup() {
   local status=$?
-  trap - EXIT INT TERM
+  # A second Ctrl-C must not cut the cleanup short (pg_ctl and kill inherit the ignore).
+  trap - EXIT
+  trap '' INT TERM
   local pidfile pid
   for pidfile in ${bouncers[@]+"${bouncers[@]}"}; do
     pid=$(cat "$pidfile" 2>/dev/null) || continue
