@@ -4,8 +4,9 @@
 #
 # PostgreSQL: the server at SQLBROKER_TEST_POSTGRES_URL when it is set. Otherwise the one at
 # the default URL, postgres://postgres@127.0.0.1:5432/test?sslmode=disable, when the tests can
-# connect to it; else (or with SQLBROKER_TEST_THROWAWAY=1) a throwaway server started from the
-# installed server binaries (initdb and pg_ctl, on PATH or under SQLBROKER_TEST_PG_BINDIRS) in
+# connect to it and its max_connections is at least 300 (the universal suites open many
+# connections at once); else (or with SQLBROKER_TEST_THROWAWAY=1) a throwaway server from the
+# installed server binaries (initdb and pg_ctl, on PATH or under SQLBROKER_TEST_PG_BINDIRS), in
 # a temporary directory: trust auth, a free port, max_connections 300, stopped and removed at
 # the end, also on failure or Ctrl-C. As root, it runs as the user postgres (or nobody).
 #
@@ -72,10 +73,12 @@ if [ -n "$user_url" ]; then
 elif [ "$force" = 1 ]; then
   why="SQLBROKER_TEST_THROWAWAY=1"
 elif [ -n "$psql" ]; then
-  if err=$(q "$default_url" 'SELECT 1' 2>&1 >/dev/null); then
-    url=$default_url
+  if ! out=$(q "$default_url" 'SHOW max_connections' 2>&1); then
+    why="no usable server at $default_url ($(printf '%s' "$out" | head -1))"
+  elif [ "$out" -lt 300 ] && [ -n "$bindir" ]; then
+    why="the server at $default_url has max_connections $out, and the universal suites need 300"
   else
-    why="no usable server at $default_url ($(printf '%s' "$err" | head -1))"
+    url=$default_url
   fi
 elif (exec 3<>/dev/tcp/127.0.0.1/5432) 2>/dev/null; then
   url=$default_url # no psql to check it with: the tests will tell
