@@ -21,6 +21,9 @@
 # user's; otherwise SQLBROKER_TEST_NO_RESTART tells make to skip the reconnect pass.
 set -euo pipefail
 
+# One block, read whole before it runs: a checkout that changes this file during a run does
+# not change the run.
+{
 if [ $# = 0 ]; then
   echo "usage: bash .ci/testenv.sh COMMAND [ARG...]" >&2
   exit 2
@@ -109,10 +112,11 @@ fi
 as() { (cd "$run_dir" && ${as_user[@]+"${as_user[@]}"} "$@"); }
 
 listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-free_port() { # a port nothing listens on (the caller retries when another process took it first)
+free_port() { # a port nothing listens on, below the ephemeral ports of Linux and macOS (the
+  # caller retries when another process took it first)
   local port
   while :; do
-    port=$((20000 + RANDOM % 30000))
+    port=$((20000 + RANDOM % 12000))
     listening "$port" || { echo "$port"; return; }
   done
 }
@@ -190,7 +194,11 @@ EOF
 else
   if [ -n "$user_url" ]; then say "PostgreSQL at SQLBROKER_TEST_POSTGRES_URL"; else say "PostgreSQL at $url"; fi
   export SQLBROKER_TEST_POSTGRES_URL=$url
-  if [ -n "$psql" ] && max=$(q "$url" 'SHOW max_connections' 2>/dev/null) && [ "$max" -lt 300 ]; then
+  if [ -z "$psql" ]; then
+    :
+  elif ! max=$(q "$url" 'SHOW max_connections' 2>&1); then
+    say "warning: the tests cannot connect to it ($(printf '%s' "$max" | head -1))"
+  elif [ "$max" -lt 300 ]; then
     say "warning: its max_connections is $max; the universal suites need 300 (CONTRIBUTING.md, \"A database\")"
   fi
   if [ -z "${SQLBROKER_TEST_RESTART_COMMAND:-}" ] && [ "${CI:-}" != true ]; then
@@ -280,3 +288,4 @@ set +e
 status=$?
 set -e
 exit $status
+}
