@@ -1,17 +1,21 @@
-# The test database: PostgreSQL with trust auth (see CONTRIBUTING.md).
-SQLBROKER_TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
-export SQLBROKER_TEST_POSTGRES_URL
+# The test database: SQLBROKER_TEST_POSTGRES_URL, by default
+# postgres://postgres@127.0.0.1:5432/test?sslmode=disable (trust auth; see CONTRIBUTING.md).
 
-.PHONY: test test-race test-universal test-reconnect pgbouncer chaos-soak fuzz bench example
+.PHONY: test test-race test-universal test-reconnect chaos-soak fuzz bench example
 
-# Everything CI runs.
-test: pgbouncer test-race test-universal test-reconnect
+# The tests each pass runs (go test -run patterns). Narrower ones take a few tests through
+# the whole of `make test`, e.g. RACE_TESTS='TestX' UNIVERSAL_TESTS='^$$'.
+RACE_TESTS ?= .
+UNIVERSAL_TESTS ?= TestUniversal_
+RECONNECT_TESTS ?= TestUniversal_[A-Za-z]+/[a-z]+/TestReconnect
 
-# Two PgBouncers in front of the test database (session pooling on 6432, transaction pooling
-# on 6433) for the pooler tests of ./tests; the script installs Debian's pgbouncer when it can.
-# Without them those tests are skipped, except in CI (CI=true), where they fail.
-pgbouncer:
-	@bash .ci/pgbouncer.sh || echo "PgBouncer not started: the PgBouncer tests will be skipped (CI fails them)"
+# Everything CI runs, around a database of its own when needed: .ci/testenv.sh uses the server
+# at SQLBROKER_TEST_POSTGRES_URL, or when that is not set and nothing usable answers at the
+# default URL (or with SQLBROKER_TEST_THROWAWAY=1), starts a throwaway PostgreSQL from the
+# installed server binaries; with two throwaway PgBouncers in front of it (session and
+# transaction pooling) when pgbouncer is installed; and stops them all at the end.
+test:
+	@bash .ci/testenv.sh $(MAKE) --no-print-directory test-race test-universal test-reconnect
 
 # Every package under the race detector, one package at a time (the chaos suite holds the
 # xmin horizon back and terminates connections: run beside the others it would slow them
@@ -21,7 +25,7 @@ test-race:
 	go vet ./...
 	go -C cmd/sqlbroker-bench vet ./...
 	rm -f chaos-totals.txt
-	SQLBROKER_CHAOS_TOTALS=$(CURDIR)/chaos-totals.txt go test -race -count=1 -p 1 -timeout 20m -skip 'TestUniversal_' ./...; \
+	SQLBROKER_CHAOS_TOTALS=$(CURDIR)/chaos-totals.txt go test -race -count=1 -p 1 -timeout 20m -run '$(RACE_TESTS)' -skip 'TestUniversal_' ./...; \
 		status=$$?; cat chaos-totals.txt 2>/dev/null; exit $$status
 
 # The chaos suite for longer: publish and inject faults for 10 minutes per claim mode.
@@ -32,13 +36,19 @@ chaos-soak:
 # configuration), one test at a time: under -race on two cores, the 50-subscriber tests slow
 # the test running beside them past the suite's fixed 15 s read windows (each passes alone).
 test-universal:
-	go test -race -count=1 -parallel 1 -timeout 60m -run 'TestUniversal_' ./tests/
+	go test -race -count=1 -parallel 1 -timeout 60m -run '$(UNIVERSAL_TESTS)' ./tests/
 
 # Watermill's TestReconnect restarts PostgreSQL. It runs in its own pass, alone, and without
 # -race: the universal suite's TestReconnect reads a slice its own goroutine appends to
-# without synchronisation, which the race detector reports whatever Pub/Sub runs it.
+# without synchronisation, which the race detector reports whatever Pub/Sub runs it. Under
+# `make test`, it restarts only a server the test run started, or any in CI, or with
+# SQLBROKER_TEST_RESTART_COMMAND set; otherwise .ci/testenv.sh sets SQLBROKER_TEST_NO_RESTART.
 test-reconnect:
-	go test -count=1 -timeout 10m -run 'TestUniversal_[A-Za-z]+/[a-z]+/TestReconnect' ./tests/
+ifdef SQLBROKER_TEST_NO_RESTART
+	@echo "reconnect pass skipped: $(SQLBROKER_TEST_NO_RESTART)"
+else
+	go test -count=1 -timeout 10m -run '$(RECONNECT_TESTS)' ./tests/
+endif
 
 fuzz:
 	go test -run '^$$' -fuzz FuzzValidateName -fuzztime 30s ./internal/ident/

@@ -21,7 +21,8 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
-// The PgBouncers of .ci/pgbouncer.sh, in front of the test database.
+// The PgBouncers in front of the test database: make test starts two of its own (.ci/testenv.sh)
+// and passes their URLs in these variables.
 var bouncerURLs = map[string]struct{ env, url string }{
 	"session":     {"SQLBROKER_TEST_PGBOUNCER_SESSION_URL", "postgres://postgres@127.0.0.1:6432/test?sslmode=disable"},
 	"transaction": {"SQLBROKER_TEST_PGBOUNCER_TRANSACTION_URL", "postgres://postgres@127.0.0.1:6433/test?sslmode=disable"},
@@ -44,7 +45,7 @@ func bouncerURL(t *testing.T, mode string) string {
 		_ = db.Close()
 	}
 	if err != nil {
-		msg := "no PgBouncer in " + mode + " pooling mode at " + u + " (start it with .ci/pgbouncer.sh, or set " + b.env + "): " + err.Error()
+		msg := "no PgBouncer in " + mode + " pooling mode at " + u + " (make test starts one when pgbouncer is installed, or set " + b.env + "): " + err.Error()
 		if os.Getenv("CI") == "true" {
 			t.Fatal(msg)
 		}
