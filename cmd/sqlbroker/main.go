@@ -17,6 +17,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -69,24 +70,42 @@ func (c *common) register(fs *flag.FlagSet) {
 	fs.BoolVar(&c.json, "json", false, "JSON output")
 }
 
+// isHelp reports whether arg asks for the usage.
+func isHelp(arg string) bool {
+	switch arg {
+	case "-h", "-help", "--help", "help":
+		return true
+	}
+	return false
+}
+
 // run is the command; it returns the exit code: 0, 1 for a failure, 2 for a usage error.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
-	if len(args) == 0 || args[0] == "-h" || args[0] == "help" || args[0] == "-help" {
+	if len(args) == 0 {
 		fmt.Fprint(stderr, usage)
 		return 2
 	}
+	if isHelp(args[0]) {
+		// Asked for: the usage on stdout and success, as Go's flag package does for -h.
+		fmt.Fprint(stdout, usage)
+		return 0
+	}
 	cmd, args := args[0], args[1:]
-	if cmd == "group" {
+	if cmd == "group" || cmd == "dead-letter" {
 		if len(args) == 0 {
 			fmt.Fprint(stderr, usage)
 			return 2
 		}
-		cmd, args = "group "+args[0], args[1:]
+		if isHelp(args[0]) {
+			fmt.Fprint(stdout, usage)
+			return 0
+		}
+		cmd, args = cmd+" "+args[0], args[1:]
 	}
 	var c common
 	fs := flag.NewFlagSet("sqlbroker "+cmd, flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, usage) }
+	fs.Usage = func() {} // printed below: on stdout when asked for, on stderr after an error
 	c.register(fs)
 	var topics multi
 	var claims int
@@ -108,6 +127,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		return 2
 	}
 	if err := parse(fs, args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprint(stdout, usage)
+			return 0
+		}
+		fmt.Fprint(stderr, usage)
 		return 2
 	}
 	pos := fs.Args()
