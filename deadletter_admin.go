@@ -235,6 +235,9 @@ func (a *Admin) Redrive(ctx context.Context, topic string, opts RedriveOptions) 
 		if err := validateName("To", opts.To); err != nil {
 			return res, err
 		}
+		if opts.To == topic {
+			return res, &ConfigError{Field: "To", Value: opts.To, Reason: "is the dead-letter topic itself"}
+		}
 	}
 	dl, err := a.existing(ctx, topic)
 	if err != nil {
