@@ -97,21 +97,32 @@ func (c *AdminConfig) validate() error {
 type Admin struct {
 	db     dbx.Pool
 	config AdminConfig
+	sqlite bool // on SQLite: the dead-letter tools, Peek and Prune only
 }
 
-// NewAdmin builds an Admin on db, which must wrap a pool (Pgx or StdSQL).
+// NewAdmin builds an Admin on db, which must wrap a pool (Pgx, StdSQL or SQLite). On SQLite
+// it runs DeadLetters, Peek, Redrive and Prune; the other methods read PostgreSQL's catalog
+// and return a ConfigError there.
 func NewAdmin(db DB, config AdminConfig) (*Admin, error) {
 	if db.pool == nil {
-		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx or sqlbroker.StdSQL"}
-	}
-	if db.sqlite() {
-		return nil, &ConfigError{Field: "db", Value: "SQLite", Reason: "the Admin reads PostgreSQL's catalog and is PostgreSQL's only: on SQLite, read the topic's tables directly"}
+		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL or sqlbroker.SQLite"}
 	}
 	config.setDefaults()
 	if err := config.validate(); err != nil {
 		return nil, err
 	}
-	return &Admin{db: db.pool, config: config}, nil
+	if db.sqlite() && config.Schema != "" {
+		return nil, &ConfigError{Field: "Schema", Value: config.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
+	}
+	return &Admin{db: db.pool, config: config, sqlite: db.sqlite()}, nil
+}
+
+// postgresOnly refuses, on SQLite, a method that reads PostgreSQL's catalog.
+func (a *Admin) postgresOnly(method string) error {
+	if !a.sqlite {
+		return nil
+	}
+	return &ConfigError{Field: "db", Value: "SQLite", Reason: "Admin." + method + " reads PostgreSQL's catalog and is PostgreSQL's only"}
 }
 
 // Inspection is the state of topics, as Inspect read it.
@@ -217,6 +228,9 @@ type InspectOptions struct {
 // (long names) and whose tables were created before this version of the library appears
 // under its shortened name, which ends with '#' and a hash.
 func (a *Admin) Topics(ctx context.Context) ([]string, bool, error) {
+	if err := a.postgresOnly("Topics"); err != nil {
+		return nil, false, err
+	}
 	found, more, err := offsets.FindTopics(ctx, a.db, a.config.Schema, a.config.TablePrefix, a.config.MaxTopics)
 	if err != nil {
 		return nil, false, fmt.Errorf("sqlbroker: listing topics: %w", err)
@@ -234,6 +248,9 @@ func (a *Admin) Topics(ctx context.Context) ([]string, bool, error) {
 // others are still read. ctx bounds the whole call.
 func (a *Admin) Inspect(ctx context.Context, opts InspectOptions) (Inspection, error) {
 	var ins Inspection
+	if err := a.postgresOnly("Inspect"); err != nil {
+		return ins, err
+	}
 	var tables []offsets.Tables
 	if opts.Topics == nil {
 		found, more, err := offsets.FindTopics(ctx, a.db, a.config.Schema, a.config.TablePrefix, a.config.MaxTopics)
@@ -327,6 +344,9 @@ func (a *Admin) readOnly(ctx context.Context, fn func(dbx.Querier) error) error 
 }
 
 func (a *Admin) limits(ctx context.Context, tx dbx.Querier, readOnly bool) error {
+	if a.sqlite {
+		return nil // a statement is bounded by ctx; a write transaction is BEGIN IMMEDIATE
+	}
 	ms := strconv.FormatInt(a.config.StatementTimeout.Milliseconds(), 10)
 	ro := "off"
 	if readOnly {
@@ -354,7 +374,7 @@ func (a *Admin) tables(topic string) (offsets.Tables, error) {
 	if err := validateName("topic", topic); err != nil {
 		return offsets.Tables{}, err
 	}
-	return offsets.NewTables(a.config.Schema, a.config.TablePrefix, topic), nil
+	return tablesFor(a.config.Schema, a.config.TablePrefix, topic, a.sqlite), nil
 }
 
 // group validates topic and group, and checks that the topic's tables exist.
@@ -391,6 +411,9 @@ func (a *Admin) ResetGroupToTime(ctx context.Context, topic, group string, at ti
 }
 
 func (a *Admin) reset(ctx context.Context, topic, group string, offset int64, at time.Time, byTime bool) (int64, error) {
+	if err := a.postgresOnly("ResetGroup"); err != nil {
+		return 0, err
+	}
 	t, err := a.group(ctx, topic, group)
 	if err != nil {
 		return 0, err
@@ -407,6 +430,9 @@ func (a *Admin) reset(ctx context.Context, topic, group string, offset int64, at
 // still runs stops receiving; one that subscribes later starts the group anew (at the
 // oldest message kept, or at the newest with StartAtNewest).
 func (a *Admin) DeleteGroup(ctx context.Context, topic, group string) (int64, error) {
+	if err := a.postgresOnly("DeleteGroup"); err != nil {
+		return 0, err
+	}
 	t, err := a.group(ctx, topic, group)
 	if err != nil {
 		return 0, err

@@ -40,7 +40,11 @@ func TestSQLite_badInputRefused(t *testing.T) {
 	requireConfigError(t, err, "Schema", "SQLite")
 	_, err = sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{Schema: "app"}, nil)
 	requireConfigError(t, err, "Schema", "SQLite")
-	_, err = sqlbroker.NewAdmin(db, sqlbroker.AdminConfig{})
+	_, err = sqlbroker.NewAdmin(db, sqlbroker.AdminConfig{Schema: "app"})
+	requireConfigError(t, err, "Schema", "SQLite")
+	admin, err := sqlbroker.NewAdmin(db, sqlbroker.AdminConfig{})
+	require.NoError(t, err, "the dead-letter tools run on SQLite")
+	_, err = admin.Inspect(context.Background(), sqlbroker.InspectOptions{})
 	requireConfigError(t, err, "db", "PostgreSQL")
 
 	for _, url := range []string{"sqlite:", "sqlite:?mode=rwc", "sqlite://host/file.db", "sqlite:x.db?%zz"} {

@@ -1,22 +1,28 @@
 // Command sqlbroker inspects and manages the topics and consumer groups of watermill-sqlbroker
-// in a PostgreSQL database.
+// in a PostgreSQL or SQLite database.
 //
 //	sqlbroker inspect [-topic T]... [-claims N] [-json]
 //	sqlbroker schema TOPIC
 //	sqlbroker retention [-older-than D] [TOPIC...]
 //	sqlbroker group reset TOPIC GROUP (-offset N | -time T)
 //	sqlbroker group delete TOPIC GROUP
+//	sqlbroker peek TOPIC [-offset N] [-n N] [-width W]
+//	sqlbroker dead-letter list DEADTOPIC [-offset N] [-n N]
+//	sqlbroker dead-letter redrive DEADTOPIC [-to TOPIC] [-limit N] [-batch N] [-dry-run]
 //
 // Every command takes -url (or reads SQLBROKER_URL, then DATABASE_URL), -schema and -prefix
 // (the Schema and TablePrefix of the publishers and subscribers), -timeout and -json. The
-// URL's scheme picks the driver: postgres:// (pgx) or libpq+postgres:// (lib/pq); a
-// key=value connection string is read by pgx. Errors and output never show its password.
+// URL's scheme picks the driver: postgres:// (pgx), libpq+postgres:// (lib/pq) or sqlite:
+// (a file that must exist, unless the URL sets mode=rwc; peek, dead-letter and retention of
+// named topics only); a key=value connection string is read by pgx. Errors and output never
+// show its password.
 package main
 
 import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -37,13 +43,23 @@ import (
 const usage = `usage:
   sqlbroker inspect [-topic T]... [-claims N]        topics, groups, lag, claims, the xmin horizon
   sqlbroker schema TOPIC                             the DDL of TOPIC's tables, for migrations
-  sqlbroker retention [-older-than D] [TOPIC...]     one retention pass (every topic by default)
+  sqlbroker retention [-older-than D] [-dedup-table T] [TOPIC...]
+                                                     one retention pass (every topic by default),
+                                                     and expired keys of a deduplication table
   sqlbroker group reset TOPIC GROUP (-offset N | -time T)
                                                      the group receives again from that message
   sqlbroker group delete TOPIC GROUP                 delete a group, so it stops holding retention
+  sqlbroker peek TOPIC [-offset N] [-n N] [-width W] messages as stored: metadata, payload preview
+  sqlbroker dead-letter list DEADTOPIC [-offset N] [-n N]
+                                                     the messages of a dead-letter topic: where
+                                                     from, which group, attempts, last error
+  sqlbroker dead-letter redrive DEADTOPIC [-to TOPIC] [-limit N] [-batch N] [-dry-run]
+                                                     move them back to the topic each came from
+                                                     (or -to), one transaction per batch
 
 common flags (after the command):
-  -url URL       database URL (default: $SQLBROKER_URL, then $DATABASE_URL)
+  -url URL       database URL (default: $SQLBROKER_URL, then $DATABASE_URL):
+                 postgres://, libpq+postgres:// or sqlite:path/to/file.db
   -schema S      PostgreSQL schema of the tables (default: the search_path)
   -prefix P      table prefix (default: sqlbroker_)
   -timeout D     bound of the whole command (default: 30s)
@@ -69,49 +85,77 @@ func (c *common) register(fs *flag.FlagSet) {
 	fs.BoolVar(&c.json, "json", false, "JSON output")
 }
 
+// isHelp reports whether arg asks for the usage.
+func isHelp(arg string) bool {
+	switch arg {
+	case "-h", "-help", "--help", "help":
+		return true
+	}
+	return false
+}
+
 // run is the command; it returns the exit code: 0, 1 for a failure, 2 for a usage error.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
-	if len(args) == 0 || args[0] == "-h" || args[0] == "help" || args[0] == "-help" {
+	if len(args) == 0 {
 		fmt.Fprint(stderr, usage)
 		return 2
 	}
+	if isHelp(args[0]) {
+		// Asked for: the usage on stdout and success, as Go's flag package does for -h.
+		fmt.Fprint(stdout, usage)
+		return 0
+	}
 	cmd, args := args[0], args[1:]
-	if cmd == "group" {
+	if cmd == "group" || cmd == "dead-letter" {
 		if len(args) == 0 {
 			fmt.Fprint(stderr, usage)
 			return 2
 		}
-		cmd, args = "group "+args[0], args[1:]
+		if isHelp(args[0]) {
+			fmt.Fprint(stdout, usage)
+			return 0
+		}
+		cmd, args = cmd+" "+args[0], args[1:]
 	}
 	var c common
 	fs := flag.NewFlagSet("sqlbroker "+cmd, flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, usage) }
+	fs.Usage = func() {} // printed below: on stdout when asked for, on stderr after an error
 	c.register(fs)
 	var topics multi
 	var claims int
 	var olderThan time.Duration
 	var offset int64 = -1
 	var at string
+	var dlf dlFlags
+	var keyTable string
 	switch cmd {
 	case "inspect":
 		fs.Var(&topics, "topic", "topic to read (repeatable; default: every topic found)")
 		fs.IntVar(&claims, "claims", 20, "claims to list per topic, with their lease deadline or lock holder (reads pg_locks)")
 	case "retention":
 		fs.DurationVar(&olderThan, "older-than", 0, "delete only settled messages older than this")
+		fs.StringVar(&keyTable, "dedup-table", "", "also delete the expired keys of this deduplication table (a KeyRepository's)")
 	case "group reset":
 		fs.Int64Var(&offset, "offset", -1, "the first offset the group receives again")
 		fs.StringVar(&at, "time", "", "the first publication time (RFC 3339) the group receives again")
+	case "dead-letter list", "dead-letter redrive", "peek":
+		dlf.register(cmd, fs)
 	case "schema", "group delete":
 	default:
 		fmt.Fprintf(stderr, "sqlbroker: unknown command %q\n%s", cmd, usage)
 		return 2
 	}
 	if err := parse(fs, args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprint(stdout, usage)
+			return 0
+		}
+		fmt.Fprint(stderr, usage)
 		return 2
 	}
 	pos := fs.Args()
-	want := map[string]int{"schema": 1, "group reset": 2, "group delete": 2}
+	want := map[string]int{"schema": 1, "group reset": 2, "group delete": 2, "dead-letter list": 1, "dead-letter redrive": 1, "peek": 1}
 	if n, ok := want[cmd]; ok && len(pos) != n {
 		fmt.Fprintf(stderr, "sqlbroker %s: want %d arguments, got %d\n%s", cmd, n, len(pos), usage)
 		return 2
@@ -158,6 +202,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 	out := output{w: stdout, json: c.json}
 
 	switch cmd {
+	case "dead-letter list", "dead-letter redrive", "peek":
+		return dlf.run(ctx, cmd, admin, pos[0], out, stderr, rawURL)
 	case "inspect":
 		opts := sqlbroker.InspectOptions{Claims: claims}
 		if len(topics) > 0 {
@@ -197,6 +243,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 				return fail(stderr, rawURL, err)
 			}
 			rows = append(rows, row{topic, n})
+		}
+		if keyTable != "" {
+			repo, err := sqlbroker.NewKeyRepository(db, sqlbroker.KeyRepositoryConfig{Schema: c.schema, Table: keyTable, PruneInterval: -1})
+			if err != nil {
+				return fail(stderr, rawURL, err)
+			}
+			n, err := repo.Prune(ctx)
+			_ = repo.Close()
+			if err != nil {
+				return fail(stderr, rawURL, err)
+			}
+			rows = append(rows, row{"(expired keys of " + keyTable + ")", n})
 		}
 		if out.json {
 			return out.encode(rows, stderr, rawURL)
@@ -266,6 +324,9 @@ func fail(stderr io.Writer, rawURL string, err error) int {
 
 // open connects to rawURL with the driver its scheme names, with at most two connections.
 func open(ctx context.Context, rawURL string) (sqlbroker.DB, func(), error) {
+	if rest, ok := strings.CutPrefix(rawURL, "sqlite:"); ok {
+		return openSQLite(ctx, rest)
+	}
 	if rest, ok := strings.CutPrefix(rawURL, "libpq+"); ok {
 		db, err := sql.Open("postgres", rest)
 		if err != nil {
