@@ -432,12 +432,26 @@ func (p *Publisher) lead(g *group, store *offsets.Store, me *pending) {
 				rows = append(rows, c.rows...)
 			}
 		}
-		err := p.run(context.WithoutCancel(batch[0].ctx), stmtPublish, p.config.GroupTimeout, func(ctx context.Context, q dbx.Querier) error {
-			return p.write(ctx, q, store, rows)
-		})
+		write := func(rows []offsets.Row) error {
+			return p.run(context.WithoutCancel(batch[0].ctx), stmtPublish, p.config.GroupTimeout, func(ctx context.Context, q dbx.Querier) error {
+				return p.write(ctx, q, store, rows)
+			})
+		}
+		err := write(rows)
+		errs := make([]error, len(batch))
+		for i := range batch {
+			errs[i] = err
+		}
+		if err != nil && len(batch) > 1 && refusedData(err) {
+			// The server refused the rows of one call (nothing was written): each call runs
+			// alone, so that none fails for another's rows.
+			for i, c := range batch {
+				errs[i] = write(c.rows)
+			}
+		}
 		g.mu.Lock()
-		for _, c := range batch {
-			c.err = err
+		for i, c := range batch {
+			c.err = errs[i]
 			c.state = pendingDone
 			if c != me {
 				c.signal()
@@ -455,6 +469,18 @@ func (p *Publisher) lead(g *group, store *offsets.Store, me *pending) {
 		g.running = false
 	}
 	g.mu.Unlock()
+}
+
+// refusedData reports whether err is the server refusing a statement for the values it
+// carries (SQLSTATE classes 22, data exception, 23, integrity constraint violation, as from
+// a unique index or a check the user added, and 54, program limit exceeded): the statement
+// failed whole, and one without the rows at fault would not.
+func refusedData(err error) bool {
+	switch code := dbx.SQLState(err); {
+	case strings.HasPrefix(code, "22"), strings.HasPrefix(code, "23"), strings.HasPrefix(code, "54"):
+		return true
+	}
+	return false
 }
 
 // rowOverhead is what a row adds to a statement besides its UUID, payload and metadata: the

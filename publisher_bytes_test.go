@@ -227,3 +227,34 @@ func TestPublisherConfig_maxStatementBytes(t *testing.T) {
 		assert.ErrorContains(t, err, c.want)
 	}
 }
+
+// A grouped statement that the server refuses for one call's rows (here a trigger of the
+// user's refuses a payload) fails that call only: the calls grouped with it are written, each
+// alone, with both drivers.
+func TestPublisher_group_refusedRowsFailTheirCallOnly(t *testing.T) {
+	t.Parallel()
+	for name, db := range drivers(t) {
+		t.Run(name, func(t *testing.T) {
+			topic := testdb.Topic(t, "")
+			pub := newPublisher(t, db)
+			publish(t, pub, topic, "creates the tables")
+			ctx := context.Background()
+			fn := pgx.Identifier{"refuse_" + strings.TrimPrefix(topic, "t_")}.Sanitize()
+			_, err := testdb.Pgx(t).Exec(ctx, `CREATE FUNCTION `+fn+`() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+				IF NEW.payload = 'refused'::bytea THEN RAISE EXCEPTION 'payload refused' USING ERRCODE = 'check_violation'; END IF;
+				RETURN NEW; END $$`)
+			require.NoError(t, err)
+			t.Cleanup(func() { _, _ = testdb.Pgx(t).Exec(context.Background(), `DROP FUNCTION IF EXISTS `+fn+` CASCADE`) })
+			_, err = testdb.Pgx(t).Exec(ctx, `CREATE TRIGGER refuse BEFORE INSERT ON `+tables(topic).Messages+` FOR EACH ROW EXECUTE FUNCTION `+fn+`()`)
+			require.NoError(t, err)
+
+			msgs := newMessages(3, "fine")
+			msgs[1].Payload = []byte("refused")
+			errs := groupBehindLock(t, pub, topic, msgs)
+			assert.NoError(t, errs[0])
+			assert.ErrorContains(t, errs[1], "payload refused")
+			assert.NoError(t, errs[2])
+			assert.Equal(t, 2, countUUIDs(t, topic, msgs))
+		})
+	}
+}
