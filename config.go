@@ -99,13 +99,13 @@ type PublisherConfig struct {
 	// that arrives while a statement of this publisher for the topic runs waits for it to
 	// end, and then goes, with every other call that queued meanwhile, into the next
 	// statement (up to MaxGroupRows rows and MaxStatementBytes bytes): one multi-row INSERT,
-	// or COPY for large ones. A call's messages always go
-	// into one transaction together (all or none). A database error fails every call of that
-	// statement, except an error the server gives for the values it carries (a data
-	// exception, a constraint or a size limit): then each call runs again alone, so that no
-	// call fails for another's messages. An idle publisher adds no wait: a call that finds no statement running
-	// starts one at once. Without grouping, every call runs its own statement, under its
-	// messages' contexts, and concurrent calls use as many connections. Defaults to false.
+	// or COPY for large ones. A call's messages always go into one transaction together (all
+	// or none). A database error fails every call of that statement, except an error the
+	// server gives for the values it carries (a data exception, a constraint or a size
+	// limit): then each call runs again alone, so that no call fails for another's messages.
+	// An idle publisher adds no wait: a call that finds no statement running starts one at
+	// once. Without grouping, every call runs its own statement, under its messages'
+	// contexts, and concurrent calls use as many connections. Defaults to false.
 	DisableGroupInsert bool
 
 	// MaxGroupRows bounds the rows of one grouped statement. A call with more messages is
