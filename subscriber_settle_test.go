@@ -70,7 +70,8 @@ func TestSubscriber_L3_partlyAppliedBatchNotCountedStale(t *testing.T) {
 			AND query LIKE '%"token" = 0, "visible_at" = now() +%' AND query LIKE '%'||$1||'%'`, claims) == 1
 	})
 	got["plain"].Nack()
-	last.Nack()
+	testdb.Eventually(t, 10*time.Second, "the plain nack queued", func() bool { return sqlbroker.SettleQueued(sub) == 1 })
+	last.Nack() // after the plain one: the batch runs the plain nack's statement first
 	testdb.Eventually(t, 10*time.Second, "two nacks queued", func() bool { return sqlbroker.SettleQueued(sub) == 2 })
 	require.NoError(t, tx.Rollback(ctx))
 
