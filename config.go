@@ -51,6 +51,7 @@ const (
 	DefaultMaxPayloadBytes    = 64 << 20
 	DefaultNotifyDebounce     = 5 * time.Millisecond
 	DefaultMaxGroupRows       = 1000
+	DefaultMaxStatementBytes  = 64 << 20
 	DefaultGroupTimeout       = 30 * time.Second
 	DefaultNackBackoff        = time.Second
 	DefaultMaxNackBackoff     = time.Minute
@@ -60,6 +61,11 @@ const (
 	minLeaseTTL               = 100 * time.Millisecond
 	defaultLeaseRenewFraction = 3
 )
+
+// MaxStatementBytesLimit is the largest PublisherConfig.MaxStatementBytes. PostgreSQL refuses a
+// protocol message of 1 GiB or more, and a driver that sends bytes as hex text (lib/pq) doubles
+// them: 256 MiB of rows stays well under the limit on every driver.
+const MaxStatementBytesLimit = 256 << 20
 
 // NoBackoff, as SubscriberConfig.NackBackoff, makes a nacked message claimable again at once.
 const NoBackoff time.Duration = -1
@@ -92,17 +98,29 @@ type PublisherConfig struct {
 	// pool; a publisher inside the caller's transaction never groups), a Publish to a topic
 	// that arrives while a statement of this publisher for the topic runs waits for it to
 	// end, and then goes, with every other call that queued meanwhile, into the next
-	// statement: one multi-row INSERT, or COPY for large ones. A call's messages always go
-	// into one statement together (all or none), and a database error fails every call of that
-	// statement. An idle publisher adds no wait: a call that finds no statement running
-	// starts one at once. Without grouping, every call runs its own statement, under its
-	// messages' contexts, and concurrent calls use as many connections. Defaults to false.
+	// statement (up to MaxGroupRows rows and MaxStatementBytes bytes): one multi-row INSERT,
+	// or COPY for large ones. A call's messages always go into one transaction together (all
+	// or none). A database error fails every call of that statement, except an error the
+	// server gives for the values it carries (a data exception, a constraint or a size
+	// limit): then each call runs again alone, so that no call fails for another's messages.
+	// An idle publisher adds no wait: a call that finds no statement running starts one at
+	// once. Without grouping, every call runs its own statement, under its messages'
+	// contexts, and concurrent calls use as many connections. Defaults to false.
 	DisableGroupInsert bool
 
 	// MaxGroupRows bounds the rows of one grouped statement. A call with more messages is
 	// never grouped: it runs alone, in one statement or one transaction. At most
 	// 10,000 (the rows one statement takes). Defaults to DefaultMaxGroupRows.
 	MaxGroupRows int
+
+	// MaxStatementBytes bounds the bytes (payloads, UUIDs and metadata, plus a few bytes per
+	// row) of one INSERT statement. A grouped statement takes no call that would take it past
+	// the bound: that call goes into the next statement. A call whose rows are larger writes
+	// them in several INSERT statements of one transaction (all or none); a single message
+	// larger than the bound goes in a statement of its own. COPY, which streams its rows, is
+	// not bounded by it. At most MaxStatementBytesLimit: PostgreSQL refuses a statement of
+	// 1 GiB or more. Defaults to DefaultMaxStatementBytes.
+	MaxStatementBytes int
 
 	// GroupTimeout bounds a grouped statement, the wait for a pool connection included. It
 	// runs under a context of its own, not cancelled by the contexts of the calls in it (one
@@ -130,6 +148,9 @@ func (c *PublisherConfig) setDefaults() {
 	if c.MaxGroupRows == 0 {
 		c.MaxGroupRows = DefaultMaxGroupRows
 	}
+	if c.MaxStatementBytes == 0 {
+		c.MaxStatementBytes = DefaultMaxStatementBytes
+	}
 	if c.GroupTimeout == 0 {
 		c.GroupTimeout = DefaultGroupTimeout
 	}
@@ -153,6 +174,9 @@ func (c *PublisherConfig) validate() error {
 	}
 	if c.MaxGroupRows < 0 || c.MaxGroupRows > offsets.MaxRowsPerStatement() {
 		return &ConfigError{Field: "MaxGroupRows", Value: c.MaxGroupRows, Reason: fmt.Sprintf("must be between 1 and %d", offsets.MaxRowsPerStatement())}
+	}
+	if c.MaxStatementBytes < 0 || c.MaxStatementBytes > MaxStatementBytesLimit {
+		return &ConfigError{Field: "MaxStatementBytes", Value: c.MaxStatementBytes, Reason: fmt.Sprintf("must be between 1 and %d", MaxStatementBytesLimit)}
 	}
 	if c.GroupTimeout < 0 {
 		return &ConfigError{Field: "GroupTimeout", Value: c.GroupTimeout, Reason: "must not be negative"}

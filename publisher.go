@@ -234,8 +234,9 @@ func (p *Publisher) publishErr(topic string, store *offsets.Store, err error) er
 //   - From offsets.CopyMinRows rows on pgx: COPY, in one statement whatever the count. The
 //     NOTIFY then follows in the caller's transaction, or right after the COPY on a pool (a
 //     NOTIFY is only a latency aid: subscribers poll as well).
-//   - Otherwise a multi-row INSERT that carries the NOTIFY; more rows than one statement
-//     holds run in one transaction (on a pool; the caller's otherwise).
+//   - Otherwise multi-row INSERTs of at most MaxStatementBytes each (a larger row alone), the
+//     last of which carries the NOTIFY; more rows than one statement holds run in one
+//     transaction (on a pool; the caller's otherwise).
 func (p *Publisher) write(ctx context.Context, q dbx.Querier, store *offsets.Store, rows []offsets.Row) error {
 	table := store.T.Messages
 	channel := p.notifyInline(table)
@@ -252,10 +253,25 @@ func (p *Publisher) write(ctx context.Context, q dbx.Querier, store *offsets.Sto
 				p.logger.Debug("NOTIFY failed; subscribers will poll", watermill.LogFields{"err": nerr})
 			}
 		}
-	case p.db.tx == nil && len(rows) > offsets.MaxRowsPerStatement():
-		err = dbx.InTx(ctx, q.(dbx.Beginner), func(tx dbx.Tx) error { return store.Insert(ctx, tx, rows, channel) })
 	default:
-		err = store.Insert(ctx, q, rows, channel)
+		chunks := splitBytes(rows, p.config.MaxStatementBytes)
+		insert := func(q dbx.Querier) error {
+			for i, chunk := range chunks {
+				ch := ""
+				if i == len(chunks)-1 {
+					ch = channel
+				}
+				if err := store.Insert(ctx, q, chunk, ch); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+		if p.db.tx == nil && (len(chunks) > 1 || len(rows) > offsets.MaxRowsPerStatement()) {
+			err = dbx.InTx(ctx, q.(dbx.Beginner), func(tx dbx.Tx) error { return insert(tx) })
+		} else {
+			err = insert(q)
+		}
 	}
 	if err != nil {
 		return err
@@ -289,6 +305,7 @@ const (
 type pending struct {
 	ctx   context.Context
 	rows  []offsets.Row
+	bytes int // rowBytes of rows
 	state pendingState
 	sent  bool  // its rows went into a statement (or it was cancelled first: false)
 	err   error // the statement's outcome, once done
@@ -314,7 +331,7 @@ func (p *Publisher) group(table string) *group {
 // before the rows were sent (nothing was written).
 func (p *Publisher) publishGrouped(ctx context.Context, store *offsets.Store, rows []offsets.Row) (sent bool, err error) {
 	g := p.group(store.T.Messages)
-	c := &pending{ctx: ctx, rows: rows, wake: make(chan struct{}, 1)}
+	c := &pending{ctx: ctx, rows: rows, bytes: rowsBytes(rows), wake: make(chan struct{}, 1)}
 	g.mu.Lock()
 	g.queue = append(g.queue, c)
 	if !g.running {
@@ -373,7 +390,8 @@ func (c *pending) signal() {
 }
 
 // lead writes one statement for the calls at the head of g's queue (me, the leader, is first),
-// then passes the lead on. Calls whose context ended before they were taken are done with
+// up to MaxGroupRows rows and MaxStatementBytes bytes (the first call always goes in), then
+// passes the lead on. Calls whose context ended before they were taken are done with
 // nothing written. The statement is bounded by GroupTimeout and by the publisher's shutdown,
 // never by a caller's context: one caller giving up must not fail the rows of the others. It
 // carries the values of the context of the batch's first call (a tracing span, a request
@@ -381,7 +399,7 @@ func (c *pending) signal() {
 func (p *Publisher) lead(g *group, store *offsets.Store, me *pending) {
 	g.mu.Lock()
 	var batch []*pending
-	n, taken := 0, 0
+	n, size, taken := 0, 0, 0
 	for _, c := range g.queue {
 		if c.ctx.Err() != nil {
 			c.state = pendingDone
@@ -391,13 +409,16 @@ func (p *Publisher) lead(g *group, store *offsets.Store, me *pending) {
 			taken++
 			continue
 		}
-		if len(batch) > 0 && n+len(c.rows) > p.config.MaxGroupRows {
+		// A call that would take the statement past either bound starts the next one: the
+		// bounds are PostgreSQL's, and one call's size must never fail the others.
+		if len(batch) > 0 && (n+len(c.rows) > p.config.MaxGroupRows || size+c.bytes > p.config.MaxStatementBytes) {
 			break
 		}
 		c.state = pendingSent
 		c.sent = true
 		batch = append(batch, c)
 		n += len(c.rows)
+		size += c.bytes
 		taken++
 	}
 	g.queue = append(g.queue[:0], g.queue[taken:]...)
@@ -411,12 +432,26 @@ func (p *Publisher) lead(g *group, store *offsets.Store, me *pending) {
 				rows = append(rows, c.rows...)
 			}
 		}
-		err := p.run(context.WithoutCancel(batch[0].ctx), stmtPublish, p.config.GroupTimeout, func(ctx context.Context, q dbx.Querier) error {
-			return p.write(ctx, q, store, rows)
-		})
+		write := func(rows []offsets.Row) error {
+			return p.run(context.WithoutCancel(batch[0].ctx), stmtPublish, p.config.GroupTimeout, func(ctx context.Context, q dbx.Querier) error {
+				return p.write(ctx, q, store, rows)
+			})
+		}
+		err := write(rows)
+		errs := make([]error, len(batch))
+		for i := range batch {
+			errs[i] = err
+		}
+		if err != nil && len(batch) > 1 && refusedData(err) {
+			// The server refused the rows of one call (nothing was written): each call runs
+			// alone, so that none fails for another's rows.
+			for i, c := range batch {
+				errs[i] = write(c.rows)
+			}
+		}
 		g.mu.Lock()
-		for _, c := range batch {
-			c.err = err
+		for i, c := range batch {
+			c.err = errs[i]
 			c.state = pendingDone
 			if c != me {
 				c.signal()
@@ -434,6 +469,51 @@ func (p *Publisher) lead(g *group, store *offsets.Store, me *pending) {
 		g.running = false
 	}
 	g.mu.Unlock()
+}
+
+// refusedData reports whether err is the server refusing a statement for the values it
+// carries (SQLSTATE classes 22, data exception, 23, integrity constraint violation, as from
+// a unique index or a check the user added, and 54, program limit exceeded): the statement
+// failed whole, and one without the rows at fault would not.
+func refusedData(err error) bool {
+	switch code := dbx.SQLState(err); {
+	case strings.HasPrefix(code, "22"), strings.HasPrefix(code, "23"), strings.HasPrefix(code, "54"):
+		return true
+	}
+	return false
+}
+
+// rowOverhead is what a row adds to a statement besides its UUID, payload and metadata: the
+// length words of its parameters, a delayed row's time, the placeholders' text.
+const rowOverhead = 64
+
+// rowBytes is the size of r in a statement, as MaxStatementBytes counts it.
+func rowBytes(r offsets.Row) int {
+	return len(r.UUID) + len(r.Payload) + len(r.Metadata) + rowOverhead
+}
+
+func rowsBytes(rows []offsets.Row) int {
+	n := 0
+	for _, r := range rows {
+		n += rowBytes(r)
+	}
+	return n
+}
+
+// splitBytes cuts rows into runs of at most limit bytes (rowBytes), in order; a row larger
+// than limit is a run of its own.
+func splitBytes(rows []offsets.Row, limit int) [][]offsets.Row {
+	var chunks [][]offsets.Row
+	start, size := 0, 0
+	for i, r := range rows {
+		b := rowBytes(r)
+		if i > start && size+b > limit {
+			chunks = append(chunks, rows[start:i])
+			start, size = i, 0
+		}
+		size += b
+	}
+	return append(chunks, rows[start:])
 }
 
 // notifyInline returns the NOTIFY channel when this publish should wake the topic's

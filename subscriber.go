@@ -813,6 +813,9 @@ func (sub *subscription) register(claimed []offsets.Claimed, token int64, sent t
 func (sub *subscription) handOutLoop() {
 	defer close(sub.claimDone)
 	defer close(sub.out)
+	expire := time.NewTimer(time.Hour)
+	expire.Stop()
+	defer expire.Stop()
 	for d := range sub.ready {
 		if sub.ctx.Err() != nil {
 			sub.giveBackQueued(d)
@@ -830,28 +833,61 @@ func (sub *subscription) handOutLoop() {
 		}
 		d.mu.Lock()
 		d.slot = true
-		// In lease mode a claim held ahead whose local deadline passed (the process was frozen,
-		// extensions failed) may be another consumer's already: it is dropped, not handed out.
-		if sub.adv == nil && !d.lost && time.Now().After(d.deadline) {
-			d.lost = true
-		}
-		lost := d.lost
 		d.mu.Unlock()
-		if lost {
+		handed, stop := sub.send(d, expire)
+		switch {
+		case stop:
+			sub.giveBackQueued(d)
+			return
+		case !handed:
 			sub.dropLost(d)
 			continue
 		}
+		sub.awaits.Add(1)
+		go sub.await(d)
+	}
+}
+
+// send offers d's message on out until a handler takes it (handed), the subscription stops
+// (stop), or d is lost meanwhile (neither). In lease mode a claim whose local deadline passed
+// (the process was frozen, extensions failed) may be another consumer's already: it is lost,
+// not handed out, whether the deadline passed before the send or while it waited for a
+// handler. The deadline is read again right before each attempt, and the wait ends when it
+// passes (expire, a timer of the caller's, is armed for it) or when d is lost otherwise (its
+// context ends).
+func (sub *subscription) send(d *delivery, expire *time.Timer) (handed, stop bool) {
+	for {
 		if sub.ctx.Err() != nil {
-			sub.giveBackQueued(d)
-			return
+			return false, true
+		}
+		d.mu.Lock()
+		if sub.adv == nil && !d.lost && !time.Now().Before(d.deadline) {
+			d.lost = true
+		}
+		lost, deadline := d.lost, d.deadline
+		d.mu.Unlock()
+		if lost {
+			return false, false
+		}
+		var expired <-chan time.Time
+		if sub.adv == nil {
+			expire.Reset(time.Until(deadline))
+			expired = expire.C
 		}
 		select {
 		case sub.out <- d.msg:
-			sub.awaits.Add(1)
-			go sub.await(d)
+			expire.Stop()
+			return true, false
+		case <-expired:
+			// Checked again above: an extension may have moved the deadline meanwhile.
+		case <-d.msg.Context().Done():
+			// Lost (its extension refused, its lock gone with its connection): nothing is
+			// handed a message whose context ended.
+			expire.Stop()
+			return false, false
 		case <-sub.ctx.Done():
-			sub.giveBackQueued(d)
-			return
+			expire.Stop()
+			return false, true
 		}
 	}
 }
@@ -1158,11 +1194,11 @@ func (sub *subscription) nackStatements(fs []offsets.Fenced, waits []time.Durati
 			these, err = sub.store.Nack(ctx, q, sub.groupID, byWait[w], w)
 			return err
 		})
+		for o := range these {
+			done[o] = true // applied, even when a later statement of the call failed
+		}
 		if err != nil {
 			return done, err
-		}
-		for o := range these {
-			done[o] = true
 		}
 		if len(these) > 0 {
 			sub.markDue(time.Now().Add(w))
@@ -1172,7 +1208,9 @@ func (sub *subscription) nackStatements(fs []offsets.Fenced, waits []time.Durati
 }
 
 // apply runs the settlements of kind op among sts in one statement and returns those that
-// failed with a database error and may be retried.
+// failed with a database error and may be retried. Those that its statements applied before
+// the error are settled: counted as applied and not run again (a second run would find their
+// claims gone and count them stale).
 func (sub *subscription) apply(op string, sts []settlement) []settlement {
 	if sub.adv != nil {
 		return sub.adv.apply(op, sts)
@@ -1192,6 +1230,19 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 	}
 	done, err := sub.settleStatement(op, fs, sub.nackWaits(these))
 	if err != nil {
+		var rest []settlement
+		for _, st := range these {
+			if done[st.d.offset] {
+				sub.countApplied(op)
+				sub.forget(st.d)
+			} else {
+				rest = append(rest, st)
+			}
+		}
+		these = rest
+		if len(these) == 0 {
+			return nil
+		}
 		if sub.stopping() {
 			return these // settleLoop gives them up
 		}
@@ -1213,11 +1264,7 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 	}
 	for _, st := range these {
 		if done[st.d.offset] {
-			if op == "ack" {
-				sub.s.stats.acked.Add(1)
-			} else {
-				sub.s.stats.nacked.Add(1)
-			}
+			sub.countApplied(op)
 		} else if st.d.wasAckedInTx() {
 			sub.s.stats.acked.Add(1) // the caller's transaction acked it and committed
 		} else {
@@ -1231,6 +1278,15 @@ func (sub *subscription) apply(op string, sts []settlement) []settlement {
 		sub.forget(st.d)
 	}
 	return nil
+}
+
+// countApplied counts an applied settlement of kind op.
+func (sub *subscription) countApplied(op string) {
+	if op == "ack" {
+		sub.s.stats.acked.Add(1)
+	} else {
+		sub.s.stats.nacked.Add(1)
+	}
 }
 
 // logStale logs a settlement refused because its claim was no longer the delivery's (err

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"strconv"
 	"strings"
 	"time"
@@ -397,11 +398,11 @@ var ErrSettleRaced = errors.New("offsets: claims changed concurrently on every t
 const settleTries = 3
 
 // settle runs a settlement statement (sql, with args after the group, offsets and tokens)
-// for the fenced claims fs and returns the offsets it applied. Claims it does not return
-// were refused: their token no longer matches. Claims whose fence held on their newest row
-// version but that the statement could not change are run again, up to settleTries times,
-// then in a transaction in which the statement's row locks keep them from changing until
-// its second run has applied them.
+// for the fenced claims fs and returns the offsets it applied, on an error too (those its
+// statements applied before it). Claims it does not return were refused: their token no
+// longer matches. Claims whose fence held on their newest row version but that the statement
+// could not change are run again, up to settleTries times, then in a transaction in which
+// the statement's row locks keep them from changing until its second run has applied them.
 func (s *Store) settle(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, args ...any) (map[int64]bool, error) {
 	done := make(map[int64]bool, len(fs))
 	var err error
@@ -414,6 +415,9 @@ func (s *Store) settle(ctx context.Context, q dbx.Querier, sql string, groupID i
 	if !ok {
 		return done, ErrSettleRaced
 	}
+	// What the transaction applies counts only once it commits: on an error, done is what
+	// the statements before it applied.
+	applied := maps.Clone(done)
 	err = dbx.InTx(ctx, b, func(tx dbx.Tx) error {
 		for range 2 {
 			var err error
@@ -423,7 +427,10 @@ func (s *Store) settle(ctx context.Context, q dbx.Querier, sql string, groupID i
 		}
 		return ErrSettleRaced // the locks of the first run make this impossible
 	})
-	return done, err
+	if err != nil {
+		return applied, err
+	}
+	return done, nil
 }
 
 // settleOnce runs sql once for fs, adds the offsets it applied to done, and returns the claims

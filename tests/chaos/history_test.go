@@ -21,7 +21,11 @@ import (
 //   - a duplicate: the process that handled the message before was killed or frozen past its
 //     lease afterwards, stopped cleanly while the test held a table lock (its settlement could
 //     not be applied before its shutdown's deadline), or it recorded, for that offset, a lost
-//     claim, a refused settlement or a settlement not applied, itself explained;
+//     claim, a refused settlement or a settlement not applied, itself explained; or the
+//     process that handled it next recorded, for that offset, a lost claim, a refused
+//     settlement or a settlement not applied, itself explained (it held the message through a
+//     freeze past its lease, say, and its handler ran on after the process woke up, while
+//     another consumer had handled the message meanwhile);
 //   - a refused settlement: a lost claim of that offset in that process, itself explained; the
 //     process frozen past its lease; a lease-mode lease that ran out under a table lock (or, on
 //     SQLite, the file's write lock held by a frozen process) held longer than the lease; an advisory-mode settlement after the process's own shutdown
@@ -195,8 +199,20 @@ func (c *checker) refusal(e event) (string, bool) {
 	return c.restarted(at)
 }
 
-// duplicate explains the handling next of a message handled before by prev.
-func (c *checker) duplicate(prev resultRow) (string, bool) {
+// duplicate explains the handling next of a message handled before by prev: by a fault of
+// either handling.
+func (c *checker) duplicate(prev, next resultRow) (string, bool) {
+	if why, ok := c.duplicateBefore(prev); ok {
+		return why, true
+	}
+	if why, ok := c.handlingFault(next); ok {
+		return "the later handling's " + why, true
+	}
+	return "", false
+}
+
+// duplicateBefore explains a duplicate by what happened to the handling before it, prev.
+func (c *checker) duplicateBefore(prev resultRow) (string, bool) {
 	for _, f := range c.faults {
 		if f.Kind == faultKill && hits(f, prev.Consumer) && !f.Start.Before(prev.At.Add(-time.Second)) && f.Start.Before(prev.At.Add(10*time.Second)) {
 			return "killed before its ack applied", true
@@ -212,8 +228,15 @@ func (c *checker) duplicate(prev resultRow) (string, bool) {
 			return "stopped while the test held a table lock: its ack not applied by its shutdown's deadline", true
 		}
 	}
+	return c.handlingFault(prev)
+}
+
+// handlingFault explains a handling by a lost claim, a refused settlement or a settlement not
+// applied that its process recorded for its offset, for the delivery it handled (its handler
+// began before the handling was recorded, at most 10 s before), itself explained.
+func (c *checker) handlingFault(r resultRow) (string, bool) {
 	for _, e := range c.events {
-		if e.Proc != prev.Consumer || e.Offset != prev.Off || ts(e.Began).After(prev.At) || ts(e.Began).Before(prev.At.Add(-10*time.Second)) || e.At < e.Began {
+		if e.Proc != r.Consumer || e.Offset != r.Off || ts(e.Began).After(r.At) || ts(e.Began).Before(r.At.Add(-10*time.Second)) || e.At < e.Began {
 			continue
 		}
 		switch e.Kind {
@@ -278,11 +301,11 @@ func (c *checker) check(t *testing.T, name, results string) verdict {
 		rs := byUUID[u]
 		for i := 1; i < len(rs); i++ {
 			v.duplicates++
-			if why, ok := c.duplicate(rs[i-1]); ok {
+			if why, ok := c.duplicate(rs[i-1], rs[i]); ok {
 				v.byWhy["duplicate: "+why]++
 			} else {
 				v.unexplainedDuplicates++
-				v.unexplained = append(v.unexplained, c.story(t, "unexplained duplicate of "+rs[i-1].Consumer+"'s handling", rs[i-1].Off, results))
+				v.unexplained = append(v.unexplained, c.story(t, "unexplained duplicate of "+rs[i-1].Consumer+"'s handling by "+rs[i].Consumer, rs[i-1].Off, results))
 			}
 		}
 	}

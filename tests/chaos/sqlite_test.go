@@ -342,7 +342,7 @@ func printSQLiteTotals(t *testing.T, tot sqliteTotals) {
 	fmt.Fprintf(&b, "published               %d (%d probes of the recovery measurements included; stored %d distinct)\n", tot.published, tot.probes, tot.stored)
 	fmt.Fprintf(&b, "delivered unique        %d\n", tot.deliveredUnique)
 	fmt.Fprintf(&b, "lost                    %d\n", tot.lost)
-	fmt.Fprintf(&b, "duplicates              %d, unexplained %d (every duplicate handling explained by what happened to the handling before it: below)\n", tot.main.duplicates, tot.main.unexplainedDuplicates)
+	fmt.Fprintf(&b, "duplicates              %d, unexplained %d (every duplicate handling explained by what happened to it or to the handling before it: below)\n", tot.main.duplicates, tot.main.unexplainedDuplicates)
 	fmt.Fprintf(&b, "claims left             %d\n", tot.claimsLeft)
 	fmt.Fprintf(&b, "stale settlements       %d refused (leases lost %d, nacks applied %d; killed processes counted up to their last second)\n", tot.stale, tot.leasesLost, tot.nacked)
 	fmt.Fprintf(&b, "unexplained refusals    %d (of %d refused or not applied in the history)\n", tot.main.unexplainedRefusals, tot.main.refusals)
