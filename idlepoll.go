@@ -95,7 +95,7 @@ func (sub *subscription) park() (goOn, woken bool) {
 	for {
 		due.Stop()
 		var dueC <-chan time.Time
-		if at := sub.dueAt.Load(); at != 0 {
+		if at := sub.dueAt.first(); at != 0 {
 			d := time.Until(time.Unix(0, at))
 			if d <= 0 {
 				return true, false

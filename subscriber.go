@@ -330,7 +330,8 @@ type subscription struct {
 	adv *advisoryState // advisory-lock mode only (subscriber_advisory.go)
 	dlq *offsets.Store // the dead-letter topic's, with MaxAttempts only (deadletter.go)
 
-	dueAt      atomic.Int64 // UnixNano from when a claim of this subscription is due again; 0: none
+	dueAt      dueTimes     // when claims of this subscription come due again (delay.go)
+	passed     atomic.Int32 // delayed messages the last claim passed (passDelayed)
 	idle       idleState    // parking while there is nothing to claim (idlepoll.go)
 	sqliteIdle sqliteIdle   // on SQLite: when an idle claim may be skipped (sqlitewatch.go)
 
@@ -538,13 +539,21 @@ func (sub *subscription) claimLoop() {
 		var claimed []offsets.Claimed
 		var token int64
 		var err error
-		withDue := false
+		withDue, ownDue, passed, missed := false, false, false, false
 		if sub.lookNeeded(now) { // else nothing changed since a claim found nothing (sqlitewatch.go)
 			sub.looking(now)
-			withDue = sub.wantDue(&due, now)
+			withDue, ownDue = sub.wantDue(&due, now)
+			sub.passed.Store(0)
 			claimed, token, err = sub.claim(buf[:0], n, withDue) // none when err != nil
 			due.claimed(withDue, now.Add(sub.cfg.PollInterval), claimed, n, err)
-			sub.sqliteIdle.mustLook = err != nil || len(claimed) > 0
+			// The claim's room went to delayed messages it passed: the messages behind them
+			// may be waiting, and are claimed at once, not after the idle pause.
+			passed = err == nil && sub.passed.Load() > 0
+			// A due time of its own came and the claim took nothing again: the claim may have
+			// run a moment before the database's clock reached that time. It is looked for
+			// again soon, once (firstRetryAfterWake), not only at the next idle look.
+			missed = err == nil && ownDue && (len(claimed) == 0 || !claimed[0].Again)
+			sub.sqliteIdle.mustLook = err != nil || len(claimed) > 0 || passed || missed
 		}
 		for range n - len(claimed) {
 			<-sub.held
@@ -561,8 +570,14 @@ func (sub *subscription) claimLoop() {
 			continue
 		}
 		if len(claimed) == 0 {
+			if passed {
+				continue
+			}
+			if missed {
+				idle = firstRetryAfterWake
+			}
 			var goOn, woken bool
-			if withDue && sub.idle.entry != nil && idle >= min(sub.cfg.PollInterval, sub.cfg.IdlePollInterval) {
+			if withDue && !missed && sub.idle.entry != nil && idle >= min(sub.cfg.PollInterval, sub.cfg.IdlePollInterval) {
 				// Nothing now, nothing due: sleep until told (idlepoll.go).
 				goOn, woken = sub.park()
 			} else {
@@ -603,14 +618,10 @@ type dueState struct {
 }
 
 // wantDue says whether the claim made at now runs the due step, and takes the subscription's
-// own due time if it has come.
-func (sub *subscription) wantDue(st *dueState, now time.Time) bool {
-	at := sub.dueAt.Load()
-	own := at != 0 && now.UnixNano() >= at
-	if own {
-		sub.dueAt.CompareAndSwap(at, 0) // a later due time set meanwhile stays
-	}
-	return own || st.again || !now.Before(st.next)
+// own due times that have come; own says whether there were any.
+func (sub *subscription) wantDue(st *dueState, now time.Time) (want, own bool) {
+	own = sub.dueAt.take(now.UnixNano())
+	return own || st.again || !now.Before(st.next), own
 }
 
 // claimed records the outcome of a claim of up to n messages; next is the periodic look after
@@ -624,16 +635,8 @@ func (st *dueState) claimed(withDue bool, next time.Time, cs []offsets.Claimed, 
 
 // markDue notes that a claim of this subscription is due again from t on.
 func (sub *subscription) markDue(t time.Time) {
-	v := t.UnixNano()
-	for {
-		at := sub.dueAt.Load()
-		if at != 0 && at <= v {
-			return
-		}
-		if sub.dueAt.CompareAndSwap(at, v) {
-			sub.pokeDue()
-			return
-		}
+	if sub.dueAt.add(t.UnixNano()) {
+		sub.pokeDue()
 	}
 }
 

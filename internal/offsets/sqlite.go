@@ -29,8 +29,11 @@ import (
 )
 
 // sqliteNow is the time of the statement on SQLite's clock, in Unix milliseconds (SQLite keeps
-// one 'now' for the whole statement).
-const sqliteNow = `CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)`
+// one 'now' for the whole statement). SQLite's clock counts whole milliseconds, and the
+// julianday arithmetic lands a hair above or below them: it is rounded, not cut, or 'now' would
+// often read a millisecond early, and a claim run just as a delayed message's time came would
+// not find it due.
+const sqliteNow = `CAST(round((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)`
 
 // OnSQLite returns t for a SQLite database: the same names, SQLite's DDL and statements.
 func (t Tables) OnSQLite() Tables {

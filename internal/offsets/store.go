@@ -278,20 +278,18 @@ type Claimed struct {
 }
 
 // Split moves the delayed entries (Claimed.Delayed) of cs out of it, keeping the order of the
-// others, and returns the earliest of their times (zero if none).
-func Split(cs []Claimed) ([]Claimed, time.Time) {
-	var first time.Time
+// others, and returns their times, in the order of cs.
+func Split(cs []Claimed) ([]Claimed, []time.Time) {
+	var delayed []time.Time
 	kept := cs[:0]
 	for _, c := range cs {
 		if c.Delayed.IsZero() {
 			kept = append(kept, c)
 			continue
 		}
-		if first.IsZero() || c.Delayed.Before(first) {
-			first = c.Delayed
-		}
+		delayed = append(delayed, c.Delayed)
 	}
-	return kept, first
+	return kept, delayed
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
