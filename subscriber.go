@@ -83,7 +83,7 @@ type Stats struct {
 	Released         int64 // claims given back without reaching a handler
 	StaleSettlements int64 // acks and nacks refused because the claim was no longer held
 	LeasesLost       int64 // deliveries whose claim was lost while in work (its lease ran out, or, in advisory mode, its lock connection died)
-	Errors           int64 // database errors met by claim, extension and settlement
+	Errors           int64 // database errors met by claim, extension and settlement (not a claim's lock wait that ran out of LockWaitTimeout, logged at Info)
 	DeadLettered     int64 // messages moved to the dead-letter topic (MaxAttempts), counted in Nacked too
 	InFlight         int   // messages claimed and not yet settled, now
 	LocksHeld        int   // advisory locks held by the lock connections, now (advisory mode)
@@ -562,8 +562,14 @@ func (sub *subscription) claimLoop() {
 			if sub.ctx.Err() != nil {
 				return
 			}
-			sub.s.stats.errors.Add(1)
-			sub.logger.Error("Claim failed, retrying", err, watermill.LogFields{"retry_in": sub.cfg.RetryInterval})
+			if dbx.SQLState(err) == dbx.CodeLockNotAvailable {
+				// The advisory claim waited out LockWaitTimeout on a lock held elsewhere (a
+				// migration's table lock): expected contention, not a failure.
+				sub.logger.Info("Claim waited too long for a lock, retrying", watermill.LogFields{"err": err, "retry_in": sub.cfg.RetryInterval})
+			} else {
+				sub.s.stats.errors.Add(1)
+				sub.logger.Error("Claim failed, retrying", err, watermill.LogFields{"retry_in": sub.cfg.RetryInterval})
+			}
 			if goOn, _ := sub.wait(sub.cfg.RetryInterval, false); !goOn {
 				return
 			}
