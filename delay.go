@@ -64,6 +64,12 @@ func (sub *subscription) passDelayed(cs []offsets.Claimed, err error) []offsets.
 	return cs
 }
 
+// passAfterPassing is how many delayed messages a claim may pass besides its room when the
+// claim before it passed some: a run of delayed messages ahead of the next message to hand out
+// is then passed in a few claims, not one claim per BatchSize of them (with MaxInFlight 1, one
+// per message).
+const passAfterPassing = 1000
+
 // untilDue is how long the claim loop waits when a claim found nothing: idle, or less when a
 // claim of this subscription comes due before (a nack's backoff ends, a delayed message's time
 // comes).

@@ -48,7 +48,7 @@ func TestDelay_runOfDelayedDoesNotHoldBackTheNext(t *testing.T) {
 				name        string
 				maxInFlight int
 				ahead       int
-			}{{"2000-ahead", 0, 2000}, {"inflight1-20-ahead", 1, 20}} {
+			}{{"2000-ahead", 0, 2000}, {"inflight1-20-ahead", 1, 20}, {"inflight1-2000-ahead", 1, 2000}} {
 				t.Run(d.name+"/"+mode.String()+"/"+c.name, func(t *testing.T) {
 					t.Parallel()
 					topic := testdb.Topic(t, "")

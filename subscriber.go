@@ -332,6 +332,7 @@ type subscription struct {
 
 	dueAt      dueTimes     // when claims of this subscription come due again (delay.go)
 	passed     atomic.Int32 // delayed messages the last claim passed (passDelayed)
+	passRoom   int          // delayed messages the next claim may pass besides its room (claim loop)
 	idle       idleState    // parking while there is nothing to claim (idlepoll.go)
 	sqliteIdle sqliteIdle   // on SQLite: when an idle claim may be skipped (sqlitewatch.go)
 
@@ -526,6 +527,7 @@ func (sub *subscription) claimLoop() {
 	buf := make([]offsets.Claimed, 0, sub.cfg.BatchSize)
 	idle := sub.cfg.PollInterval // the next pause when a claim finds nothing
 	due := dueState{again: true}
+	passed := false // the last claim passed delayed messages
 	for {
 		// Room for at least one claim, then as many as are free, up to BatchSize.
 		select {
@@ -539,15 +541,20 @@ func (sub *subscription) claimLoop() {
 		var claimed []offsets.Claimed
 		var token int64
 		var err error
-		withDue, ownDue, passed, missed := false, false, false, false
+		withDue, ownDue, missed := false, false, false
 		if sub.lookNeeded(now) { // else nothing changed since a claim found nothing (sqlitewatch.go)
 			sub.looking(now)
 			withDue, ownDue = sub.wantDue(&due, now)
+			sub.passRoom = 0
+			if passed {
+				sub.passRoom = passAfterPassing
+			}
 			sub.passed.Store(0)
 			claimed, token, err = sub.claim(buf[:0], n, withDue) // none when err != nil
 			due.claimed(withDue, now.Add(sub.cfg.PollInterval), claimed, n, err)
-			// The claim's room went to delayed messages it passed: the messages behind them
-			// may be waiting, and are claimed at once, not after the idle pause.
+			// The claim passed delayed messages: more of them, and messages to hand out behind
+			// them, may be waiting. The next claim runs at once, not after the idle pause, with
+			// room to pass many (passAfterPassing).
 			passed = err == nil && sub.passed.Load() > 0
 			// A due time of its own came and the claim took nothing again: the claim may have
 			// run a moment before the database's clock reached that time. It is looked for
@@ -705,7 +712,7 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offset
 		// 0 if it cannot be had. dropUnsure needs it after the connection is gone.
 		pid, _ = conn.PID(ctx)
 		var err error
-		claimed, err = sub.store.Claim(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, due, buf)
+		claimed, err = sub.store.ClaimPassing(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, sub.passRoom, due, buf)
 		return err
 	})
 	claimed = sub.passDelayed(claimed, err)

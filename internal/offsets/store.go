@@ -89,14 +89,7 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4%[5]s
 	  AND (`+nextWaitingSQL+`) IS NOT NULL
 	FOR UPDATE
-), m AS (
-	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", `+delayedSQL+` AS "later"
-	FROM %[2]s m
-	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
-	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
-	ORDER BY m."xid", m."offset"
-	LIMIT $4 - (SELECT count(*) FROM due)
-), ins AS (
+), `+newMessagesSQL("", "$5")+`, ins AS (
 	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
 	SELECT $1, m."offset",
 		CASE WHEN m."later" IS NULL THEN $2::bigint ELSE 0 END,
@@ -189,6 +182,32 @@ WHERE m."offset" IN (
 	LIMIT 1000
 ) x`, t.Groups, t.Messages)
 	return s
+}
+
+// newMessagesSQL is the step m of the claim statements: the messages after the group's
+// position (read from g) that were written by transactions older than every running one (M2),
+// in (xid, offset) order, up to the room the due claims left ($4 minus their count) that may
+// be handed out now, and the delayed ones among and before them (see delayedSQL), which the
+// group's position passes. Up to pass (the parameter named) delayed messages are passed beyond
+// that room, so that a run of delayed messages does not take the claim's room from the
+// messages behind it; with pass 0 the delayed ones count against the room. The position is
+// read through scalar subqueries so that it reaches the index scan of (xid, offset) as a
+// bound. mat is "" or "MATERIALIZED ".
+func newMessagesSQL(mat, pass string) string {
+	return `m0 AS (
+	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", ` + delayedSQL + ` AS "later"
+	FROM %[2]s m
+	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
+	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
+	ORDER BY m."xid", m."offset"
+	LIMIT $4 - (SELECT count(*) FROM due) + ` + pass + `
+), m AS ` + mat + `(
+	SELECT w."offset", w."xid", w."uuid", w."payload", w."metadata", w."later" FROM (
+		SELECT m0.*, count(*) FILTER (WHERE m0."later" IS NULL) OVER (ORDER BY m0."xid", m0."offset" ROWS UNBOUNDED PRECEDING) AS "nth"
+		FROM m0
+	) w
+	WHERE w."nth" - (w."later" IS NULL)::int < (SELECT $4 - count(*) FROM due)
+)`
 }
 
 // dueSQL is the due step of the claim statements: up to $4 claims of group $1 whose lease ran
@@ -345,14 +364,22 @@ func scanClaimed(rows dbx.Rows, out []Claimed) ([]Claimed, error) {
 // With due false it claims new messages only: it reads no claim of the group, so its cost
 // does not depend on how many claims were settled since the last vacuum (see dueSQL).
 func (s *Store) Claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, due bool, out []Claimed) ([]Claimed, error) {
+	return s.ClaimPassing(ctx, q, groupID, token, ttl, limit, 0, due, out)
+}
+
+// ClaimPassing is Claim that passes up to pass delayed messages besides the limit messages it
+// may claim: delayed messages it passes do not take the room of the messages behind them
+// (with pass 0 they do, as in Claim). A claim that passed delayed messages is best followed
+// by one with room to pass many: the run may go on.
+func (s *Store) ClaimPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
 	if s.lite != nil {
-		return s.lite.claim(ctx, q, groupID, token, ttl, limit, due, out)
+		return s.lite.claim(ctx, q, groupID, token, ttl, limit, pass, due, out)
 	}
 	sql := s.claimNewSQL
 	if due {
 		sql = s.claimSQL
 	}
-	rows, err := q.Query(ctx, sql, groupID, token, ms(ttl), limit)
+	rows, err := q.Query(ctx, sql, groupID, token, ms(ttl), limit, pass)
 	if err != nil {
 		return out, err
 	}
