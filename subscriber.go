@@ -1128,15 +1128,11 @@ func (sub *subscription) giveUp(sts []settlement) {
 // returns the offsets it settled. waits holds, for nacks, how long each claim of fs waits
 // before it comes due again (nackWaits).
 func (sub *subscription) settleStatement(op string, fs []offsets.Fenced, waits []time.Duration) (map[int64]bool, error) {
-	var done map[int64]bool
-	kind := stmtAck
-	if op != "ack" {
-		kind = stmtNack
-	}
 	if op != "ack" {
 		return sub.nackStatements(fs, waits)
 	}
-	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), kind, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
+	var done map[int64]bool
+	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtAck, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
 		var err error
 		done, err = sub.store.Ack(ctx, q, sub.groupID, fs)
 		return err

@@ -80,9 +80,9 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	//
 	// No parameter is used in an expression evaluated per row: the lease deadline is computed
 	// once, in a subquery. The server keeps a generic plan of a prepared statement only if it
-	// does not look dearer than the custom plans made with the parameters' values, and
-	// with a million rows' estimates the constant-folded deadline alone made the custom plans
-	// look cheaper: every claim was then planned anew (TestClaimsKeepGenericPlans).
+	// does not look dearer than the custom plans made with the parameters' values, and on a
+	// large table the constant-folded deadline alone made the custom plans look cheaper: every
+	// claim was then planned anew (TestClaimsKeepGenericPlans; BENCHMARKS.md has the figures).
 	claim := func(due, r string) string {
 		return fmt.Sprintf(`%[4]s`+due+`, `+r+`, g AS (
 	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
@@ -109,8 +109,8 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	//    FOR UPDATE keeps from being flattened into a join), so that no plan, the server's
 	//    generic one included, reads more of the index than the keys given. Joined to the
 	//    arrays directly, the generic plan was a bitmap scan of the group's whole key range,
-	//    which reads the entry of every claim deleted since the last vacuum: a 100-claim ack
-	//    read 12,600 entries (3.4 ms) while a backlog drained (TestSettlePlansStayFlat). FOR
+	//    which reads the entry of every claim deleted since the last vacuum, a cost that grew
+	//    with the backlog drained (TestSettlePlansStayFlat; BENCHMARKS.md has the figures). FOR
 	//    UPDATE locks the claim's newest version and checks the key and token on it (L3): k
 	//    holds exactly the claims that are still this delivery's.
 	//  - d changes those claims by row address. A claim that a concurrent statement (an
