@@ -618,7 +618,8 @@ func (sub *subscription) claimLoop() {
 // walk of the group's claims and of the index entries of every claim settled since the last
 // vacuum, so a subscription draining a backlog looks once per PollInterval (claims of other
 // consumers, whose times it cannot know), and at once when it knows better:
-//   - one of its own claims came due: a nack's backoff ended, or a lease was lost (dueAt);
+//   - one of its own claims came due: a nack's backoff ended, a lease was lost, or the time
+//     of a delayed message it passed came (dueAt);
 //   - its last claim failed, was short (the backlog ran out, or in the advisory mode a lock
 //     was taken elsewhere and the claim left due for a later round), or took claims again:
 //     there may be more.
