@@ -398,8 +398,11 @@ func (a *Admin) group(ctx context.Context, topic, group string) (offsets.Tables,
 // are refused as stale when they settle, and nacked messages waiting for redelivery are not
 // delivered again unless they lie after the new position. When no message is kept at or
 // after offset, the group is placed after every message kept and receives the next one
-// published. It returns the offset of the first message the group will receive (or the
-// lowest it can have). Stop the group's subscribers first for an exact cut.
+// published, whatever its offset: an offset above the highest kept is not waited for. It
+// returns the offset of the first message the group will receive; when that message is still
+// to be published, the lowest offset it can have, one above the highest kept (it has that
+// offset unless an insert failed or rolled back meanwhile). Stop the group's subscribers
+// first for an exact cut.
 func (a *Admin) ResetGroup(ctx context.Context, topic, group string, offset int64) (int64, error) {
 	return a.reset(ctx, topic, group, offset, time.Time{}, false)
 }

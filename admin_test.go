@@ -190,14 +190,16 @@ func TestAdmin_resetGroupRedelivers(t *testing.T) {
 	assert.Equal(t, "after", string(m.Payload))
 	m.Ack()
 
-	// Past the newest message: the group receives only what is published next.
+	// Past the newest message: the group receives only what is published next, whose offset
+	// ResetGroup returned.
 	next, err := a.ResetGroup(ctx, topic, "g", 100)
 	require.NoError(t, err)
-	assert.Equal(t, int64(100), next)
+	assert.Equal(t, int64(7), next)
 	noMessage(t, msgs, 200*time.Millisecond)
 	publish(t, pub, topic, "next")
 	m = receive(t, msgs, 10*time.Second)
 	assert.Equal(t, "next", string(m.Payload))
+	assert.Equal(t, "7", m.Metadata.Get(sqlbroker.MetadataOffset))
 	m.Ack()
 	_, err = a.ResetGroup(ctx, topic, "nobody", 1)
 	assert.ErrorIs(t, err, sqlbroker.ErrNoGroup)

@@ -252,7 +252,8 @@ type SubscriberConfig struct {
 	// notification came, in the advisory mode a claim whose consumer is gone, a message written
 	// with notifications disabled. A new message wakes a subscription through its
 	// notification at once; an idle subscription otherwise sleeps until one of its own claims
-	// comes due (a nack's backoff, a lost lease) or this shared look finds work for it, and
+	// comes due (a nack's backoff, a lost lease, the time of a delayed message its claims
+	// passed) or this shared look finds work for it, and
 	// runs a claim of its own only every 30 IdlePollIntervals besides. The look is one
 	// statement per pool for up to 64 idle subscriptions: a service with 50 handlers pays one
 	// statement a second at the default, where polling each subscription every PollInterval

@@ -2,6 +2,9 @@ package sqlbroker
 
 import (
 	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/components/delay"
@@ -46,25 +49,96 @@ func delayedUntil(md message.Metadata, now time.Time) (time.Time, bool, error) {
 }
 
 // passDelayed drops from cs, the result of a claim statement, the delayed messages it passed
-// (offsets.Claimed.Delayed): their claim rows come due at their time, which the claim loop
-// is told (markDue) when the statement succeeded (err nil), so that its claim then takes them.
+// (offsets.Claimed.Delayed). Their claim rows come due at their times, which the claim loop
+// is told (markDue) when the statement succeeded (err nil), so that its claims then take
+// them, each at its own time; and it counts them (passed), so that the claim loop claims
+// again at once: the claim's room went to them, and the messages behind may be waiting.
 func (sub *subscription) passDelayed(cs []offsets.Claimed, err error) []offsets.Claimed {
-	cs, first := offsets.Split(cs)
-	if err == nil && !first.IsZero() {
-		sub.markDue(first)
+	cs, delayed := offsets.Split(cs)
+	if err == nil {
+		for _, at := range delayed {
+			sub.markDue(at)
+		}
+		sub.passed.Add(int32(len(delayed)))
 	}
 	return cs
 }
+
+// passAfterPassing is how many delayed messages a claim may pass besides its room when the
+// claim before it passed some: a run of delayed messages ahead of the next message to hand out
+// is then passed in a few claims, not one claim per BatchSize of them (with MaxInFlight 1, one
+// per message).
+const passAfterPassing = 1000
 
 // untilDue is how long the claim loop waits when a claim found nothing: idle, or less when a
 // claim of this subscription comes due before (a nack's backoff ends, a delayed message's time
 // comes).
 func (sub *subscription) untilDue(idle time.Duration) time.Duration {
-	at := sub.dueAt.Load()
+	at := sub.dueAt.first()
 	if at == 0 {
 		return idle
 	}
 	return max(0, min(idle, time.Until(time.Unix(0, at))))
+}
+
+// maxDueTimes bounds the due times a subscription keeps. Past it the latest are dropped: the
+// claims they were for are found by the periodic and idle looks instead (IdlePollInterval).
+const maxDueTimes = 4096
+
+// dueTimes are the times, in Unix nanoseconds, at which claims of the subscription come due
+// again: the end of a nack's backoff, a lease lost, and the time of every delayed message its
+// claims passed. The claim loop claims at each (wantDue takes those that have come), so that
+// every delayed message it passed is taken at its own time, not only the earliest.
+type dueTimes struct {
+	mu   sync.Mutex
+	at   []int64      // ascending, distinct, at most maxDueTimes
+	head atomic.Int64 // at[0], or 0 when at is empty: read without the lock
+}
+
+// add notes t, and reports whether it is now the earliest.
+func (d *dueTimes) add(t int64) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	i, found := slices.BinarySearch(d.at, t)
+	if found {
+		return false
+	}
+	if len(d.at) == maxDueTimes {
+		if i == len(d.at) {
+			return false
+		}
+		d.at = d.at[:len(d.at)-1]
+	}
+	d.at = slices.Insert(d.at, i, t)
+	d.head.Store(d.at[0])
+	return i == 0
+}
+
+// first returns the earliest time, or 0 if there is none.
+func (d *dueTimes) first() int64 { return d.head.Load() }
+
+// take drops the times up to now and reports whether there were any.
+func (d *dueTimes) take(now int64) bool {
+	if h := d.head.Load(); h == 0 || h > now {
+		return false
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	i := 0
+	for i < len(d.at) && d.at[i] <= now {
+		i++
+	}
+	if i == 0 {
+		return false
+	}
+	d.at = slices.Delete(d.at, 0, i)
+	if len(d.at) == 0 {
+		d.at = nil
+		d.head.Store(0)
+	} else {
+		d.head.Store(d.at[0])
+	}
+	return true
 }
 
 func minTime(a, b time.Time) time.Time {

@@ -18,8 +18,9 @@ import (
 //
 // A subscription whose claim found nothing parks: it sleeps until a publisher of this process
 // or a NOTIFY wakes its topic, until one of its own claims comes due (dueAt: a nack's backoff,
-// a lost lease), until the poll shared by the subscriptions of its pool in this process finds
-// work for it, or until its own safety poll (idleSafetyPolls IdlePollIntervals). The shared
+// a lost lease, the time of a delayed message its claims passed), until the poll shared by
+// the subscriptions of its pool in this process finds work for it, or until its own safety
+// poll (idleSafetyPolls IdlePollIntervals). The shared
 // poll is what finds the work nobody announces: a lease of another consumer that ran out, a
 // message the xmin horizon still held back when its notification came, a message written
 // without NOTIFY, in the advisory mode a claim whose holder let go without settling it. It
@@ -95,7 +96,7 @@ func (sub *subscription) park() (goOn, woken bool) {
 	for {
 		due.Stop()
 		var dueC <-chan time.Time
-		if at := sub.dueAt.Load(); at != 0 {
+		if at := sub.dueAt.first(); at != 0 {
 			d := time.Until(time.Unix(0, at))
 			if d <= 0 {
 				return true, false

@@ -593,8 +593,8 @@ func (p *Publisher) rows(topic string, messages []*message.Message) ([]offsets.R
 		if msg.UUID == "" {
 			return nil, fail("UUID is empty")
 		}
-		if !utf8.ValidString(msg.UUID) || strings.IndexByte(msg.UUID, 0) >= 0 {
-			return nil, fail("UUID is not valid UTF-8 text")
+		if err := textOK(msg.UUID); err != "" {
+			return nil, fail("UUID " + err)
 		}
 		if j, dup := seen[msg.UUID]; dup {
 			return nil, fail(fmt.Sprintf("UUID is the same as message %d's in this call", j))
@@ -617,18 +617,31 @@ func (p *Publisher) rows(topic string, messages []*message.Message) ([]offsets.R
 	return rows, nil
 }
 
-// encodeMetadata turns metadata into a JSON object. encoding/json would silently replace
-// invalid UTF-8, and PostgreSQL's jsonb refuses NUL: both are refused here, naming the key.
+// textOK says what keeps s from being stored as text, or "" if nothing does: invalid UTF-8
+// (encoding/json would silently replace it), or a NUL character, which is valid UTF-8 but
+// which PostgreSQL cannot store in text or jsonb.
+func textOK(s string) string {
+	if !utf8.ValidString(s) {
+		return "is not valid UTF-8 text"
+	}
+	if strings.IndexByte(s, 0) >= 0 {
+		return "contains a NUL character, which PostgreSQL cannot store in text"
+	}
+	return ""
+}
+
+// encodeMetadata turns metadata into a JSON object. Invalid UTF-8 and NUL characters are
+// refused (textOK), naming the key.
 func encodeMetadata(md message.Metadata) (string, error) {
 	if len(md) == 0 {
 		return "{}", nil
 	}
 	for k, v := range md {
-		if !utf8.ValidString(k) || strings.IndexByte(k, 0) >= 0 {
-			return "", fmt.Errorf("metadata key %q is not valid UTF-8 text", k)
+		if err := textOK(k); err != "" {
+			return "", fmt.Errorf("metadata key %q %s", k, err)
 		}
-		if !utf8.ValidString(v) || strings.IndexByte(v, 0) >= 0 {
-			return "", fmt.Errorf("metadata value of key %q is not valid UTF-8 text", k)
+		if err := textOK(v); err != "" {
+			return "", fmt.Errorf("metadata value of key %q %s", k, err)
 		}
 	}
 	b, err := json.Marshal(map[string]string(md))

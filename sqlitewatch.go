@@ -196,7 +196,7 @@ func (sub *subscription) lookNeeded(now time.Time) bool {
 	if w == nil || st.mustLook || !w.watching.Load() || w.gen.Load() != st.seenGen {
 		return true
 	}
-	if at := sub.dueAt.Load(); at != 0 && now.UnixNano() >= at {
+	if at := sub.dueAt.first(); at != 0 && now.UnixNano() >= at {
 		return true
 	}
 	return now.Sub(st.lastLook) >= sub.cfg.IdlePollInterval

@@ -83,7 +83,7 @@ type Stats struct {
 	Released         int64 // claims given back without reaching a handler
 	StaleSettlements int64 // acks and nacks refused because the claim was no longer held
 	LeasesLost       int64 // deliveries whose claim was lost while in work (its lease ran out, or, in advisory mode, its lock connection died)
-	Errors           int64 // database errors met by claim, extension and settlement
+	Errors           int64 // database errors met by claim, extension and settlement (not a claim's lock wait that ran out of LockWaitTimeout, logged at Info)
 	DeadLettered     int64 // messages moved to the dead-letter topic (MaxAttempts), counted in Nacked too
 	InFlight         int   // messages claimed and not yet settled, now
 	LocksHeld        int   // advisory locks held by the lock connections, now (advisory mode)
@@ -330,7 +330,9 @@ type subscription struct {
 	adv *advisoryState // advisory-lock mode only (subscriber_advisory.go)
 	dlq *offsets.Store // the dead-letter topic's, with MaxAttempts only (deadletter.go)
 
-	dueAt      atomic.Int64 // UnixNano from when a claim of this subscription is due again; 0: none
+	dueAt      dueTimes     // when claims of this subscription come due again (delay.go)
+	passed     atomic.Int32 // delayed messages the last claim passed (passDelayed)
+	passRoom   int          // delayed messages the next claim may pass besides its room (claim loop)
 	idle       idleState    // parking while there is nothing to claim (idlepoll.go)
 	sqliteIdle sqliteIdle   // on SQLite: when an idle claim may be skipped (sqlitewatch.go)
 
@@ -525,6 +527,7 @@ func (sub *subscription) claimLoop() {
 	buf := make([]offsets.Claimed, 0, sub.cfg.BatchSize)
 	idle := sub.cfg.PollInterval // the next pause when a claim finds nothing
 	due := dueState{again: true}
+	passed := false // the last claim passed delayed messages
 	for {
 		// Room for at least one claim, then as many as are free, up to BatchSize.
 		select {
@@ -538,13 +541,26 @@ func (sub *subscription) claimLoop() {
 		var claimed []offsets.Claimed
 		var token int64
 		var err error
-		withDue := false
+		withDue, ownDue, missed := false, false, false
 		if sub.lookNeeded(now) { // else nothing changed since a claim found nothing (sqlitewatch.go)
 			sub.looking(now)
-			withDue = sub.wantDue(&due, now)
+			withDue, ownDue = sub.wantDue(&due, now)
+			sub.passRoom = 0
+			if passed {
+				sub.passRoom = passAfterPassing
+			}
+			sub.passed.Store(0)
 			claimed, token, err = sub.claim(buf[:0], n, withDue) // none when err != nil
 			due.claimed(withDue, now.Add(sub.cfg.PollInterval), claimed, n, err)
-			sub.sqliteIdle.mustLook = err != nil || len(claimed) > 0
+			// The claim passed delayed messages: more of them, and messages to hand out behind
+			// them, may be waiting. The next claim runs at once, not after the idle pause, with
+			// room to pass many (passAfterPassing).
+			passed = err == nil && sub.passed.Load() > 0
+			// A due time of its own came and the claim took nothing again: the claim may have
+			// run a moment before the database's clock reached that time. It is looked for
+			// again soon, once (firstRetryAfterWake), not only at the next idle look.
+			missed = err == nil && ownDue && (len(claimed) == 0 || !claimed[0].Again)
+			sub.sqliteIdle.mustLook = err != nil || len(claimed) > 0 || passed || missed
 		}
 		for range n - len(claimed) {
 			<-sub.held
@@ -553,16 +569,28 @@ func (sub *subscription) claimLoop() {
 			if sub.ctx.Err() != nil {
 				return
 			}
-			sub.s.stats.errors.Add(1)
-			sub.logger.Error("Claim failed, retrying", err, watermill.LogFields{"retry_in": sub.cfg.RetryInterval})
+			if dbx.SQLState(err) == dbx.CodeLockNotAvailable {
+				// The advisory claim waited out LockWaitTimeout on a lock held elsewhere (a
+				// migration's table lock): expected contention, not a failure.
+				sub.logger.Info("Claim waited too long for a lock, retrying", watermill.LogFields{"err": err, "retry_in": sub.cfg.RetryInterval})
+			} else {
+				sub.s.stats.errors.Add(1)
+				sub.logger.Error("Claim failed, retrying", err, watermill.LogFields{"retry_in": sub.cfg.RetryInterval})
+			}
 			if goOn, _ := sub.wait(sub.cfg.RetryInterval, false); !goOn {
 				return
 			}
 			continue
 		}
 		if len(claimed) == 0 {
+			if passed {
+				continue
+			}
+			if missed {
+				idle = firstRetryAfterWake
+			}
 			var goOn, woken bool
-			if withDue && sub.idle.entry != nil && idle >= min(sub.cfg.PollInterval, sub.cfg.IdlePollInterval) {
+			if withDue && !missed && sub.idle.entry != nil && idle >= min(sub.cfg.PollInterval, sub.cfg.IdlePollInterval) {
 				// Nothing now, nothing due: sleep until told (idlepoll.go).
 				goOn, woken = sub.park()
 			} else {
@@ -590,7 +618,8 @@ func (sub *subscription) claimLoop() {
 // walk of the group's claims and of the index entries of every claim settled since the last
 // vacuum, so a subscription draining a backlog looks once per PollInterval (claims of other
 // consumers, whose times it cannot know), and at once when it knows better:
-//   - one of its own claims came due: a nack's backoff ended, or a lease was lost (dueAt);
+//   - one of its own claims came due: a nack's backoff ended, a lease was lost, or the time
+//     of a delayed message it passed came (dueAt);
 //   - its last claim failed, was short (the backlog ran out, or in the advisory mode a lock
 //     was taken elsewhere and the claim left due for a later round), or took claims again:
 //     there may be more.
@@ -603,14 +632,10 @@ type dueState struct {
 }
 
 // wantDue says whether the claim made at now runs the due step, and takes the subscription's
-// own due time if it has come.
-func (sub *subscription) wantDue(st *dueState, now time.Time) bool {
-	at := sub.dueAt.Load()
-	own := at != 0 && now.UnixNano() >= at
-	if own {
-		sub.dueAt.CompareAndSwap(at, 0) // a later due time set meanwhile stays
-	}
-	return own || st.again || !now.Before(st.next)
+// own due times that have come; own says whether there were any.
+func (sub *subscription) wantDue(st *dueState, now time.Time) (want, own bool) {
+	own = sub.dueAt.take(now.UnixNano())
+	return own || st.again || !now.Before(st.next), own
 }
 
 // claimed records the outcome of a claim of up to n messages; next is the periodic look after
@@ -624,16 +649,8 @@ func (st *dueState) claimed(withDue bool, next time.Time, cs []offsets.Claimed, 
 
 // markDue notes that a claim of this subscription is due again from t on.
 func (sub *subscription) markDue(t time.Time) {
-	v := t.UnixNano()
-	for {
-		at := sub.dueAt.Load()
-		if at != 0 && at <= v {
-			return
-		}
-		if sub.dueAt.CompareAndSwap(at, v) {
-			sub.pokeDue()
-			return
-		}
+	if sub.dueAt.add(t.UnixNano()) {
+		sub.pokeDue()
 	}
 }
 
@@ -696,7 +713,7 @@ func (sub *subscription) claim(buf []offsets.Claimed, n int, due bool) ([]offset
 		// 0 if it cannot be had. dropUnsure needs it after the connection is gone.
 		pid, _ = conn.PID(ctx)
 		var err error
-		claimed, err = sub.store.Claim(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, due, buf)
+		claimed, err = sub.store.ClaimPassing(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, sub.passRoom, due, buf)
 		return err
 	})
 	claimed = sub.passDelayed(claimed, err)
@@ -1148,15 +1165,11 @@ func (sub *subscription) giveUp(sts []settlement) {
 // returns the offsets it settled. waits holds, for nacks, how long each claim of fs waits
 // before it comes due again (nackWaits).
 func (sub *subscription) settleStatement(op string, fs []offsets.Fenced, waits []time.Duration) (map[int64]bool, error) {
-	var done map[int64]bool
-	kind := stmtAck
-	if op != "ack" {
-		kind = stmtNack
-	}
 	if op != "ack" {
 		return sub.nackStatements(fs, waits)
 	}
-	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), kind, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
+	var done map[int64]bool
+	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtAck, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
 		var err error
 		done, err = sub.store.Ack(ctx, q, sub.groupID, fs)
 		return err

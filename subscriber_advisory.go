@@ -278,7 +278,7 @@ func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64, due 
 	out := buf
 	gen, err := a.conn.Claim(sub.ctx, func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error) {
 		var err error
-		out, err = sub.store.ClaimLocked(ctx, q, sub.groupID, token, n, a.key1, held, due, buf)
+		out, err = sub.store.ClaimLockedPassing(ctx, q, sub.groupID, token, n, sub.passRoom, a.key1, held, due, buf)
 		if err != nil {
 			return nil, err
 		}

@@ -46,14 +46,7 @@ func claimLockedSQL(t Tables, with, cond, due, r string) string {
 	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4%[5]s
 	  AND (`+nextWaitingSQL+`) IS NOT NULL
 	FOR UPDATE
-), m AS MATERIALIZED (
-	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", `+delayedSQL+` AS "later"
-	FROM %[2]s m
-	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
-	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
-	ORDER BY m."xid", m."offset"
-	LIMIT $4 - (SELECT count(*) FROM due)
-), cand AS MATERIALIZED (
+), `+newMessagesSQL("MATERIALIZED ", "$6")+`, cand AS MATERIALIZED (
 	SELECT c.o FROM (
 		SELECT "offset" AS o FROM due
 		UNION ALL
@@ -114,6 +107,12 @@ ORDER BY m."offset"`
 // took. If it fails, locks it took before failing stay with the session: close the connection.
 // With due false it claims new messages only, as Claim does.
 func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit int, key1 int32, skip []int64, due bool, out []Claimed) ([]Claimed, error) {
+	return s.ClaimLockedPassing(ctx, q, groupID, token, limit, 0, key1, skip, due, out)
+}
+
+// ClaimLockedPassing is ClaimLocked that passes up to pass delayed messages besides the limit
+// it may claim, as ClaimPassing does.
+func (s *Store) ClaimLockedPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due bool, out []Claimed) ([]Claimed, error) {
 	if skip == nil {
 		skip = []int64{}
 	}
@@ -121,7 +120,7 @@ func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, t
 	if due {
 		sql = s.claimLockedSQL
 	}
-	rows, err := q.Query(ctx, sql, groupID, token, key1, limit, skip)
+	rows, err := q.Query(ctx, sql, groupID, token, key1, limit, skip, pass)
 	if err != nil {
 		return out, err
 	}

@@ -256,11 +256,12 @@ var ErrNoGroup = errors.New("no such consumer group")
 
 // resetFindOffsetSQL and resetFindTimeSQL find the first message kept at or after an offset,
 // or written at or after a time; the group is then placed just before it. lastSQL finds the
-// last message in the order of delivery, after which the group is placed when there is none.
+// last message in the order of delivery, after which the group is placed when there is none,
+// and the highest offset kept, below the offset of every message published later.
 const (
 	resetFindOffsetSQL = `SELECT m."xid"::text, m."offset" FROM %s m WHERE m."offset" >= $1 ORDER BY m."offset" LIMIT 1`
 	resetFindTimeSQL   = `SELECT m."xid"::text, m."offset" FROM %s m WHERE m."created_at" >= $1 ORDER BY m."offset" LIMIT 1`
-	lastSQL            = `SELECT m."xid"::text, m."offset" FROM %s m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1`
+	lastSQL            = `SELECT m."xid"::text, m."offset", (SELECT max(x."offset") FROM %[1]s x) FROM %[1]s m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1`
 	lockGroupSQL       = `SELECT "group_id" FROM %s WHERE "consumer_group" = $1 FOR UPDATE`
 	setGroupSQL        = `UPDATE %s SET "last_xid" = $2::text::xid8, "last_offset" = $3, "updated_at" = now() WHERE "group_id" = $1`
 	dropClaimsSQL      = `DELETE FROM %s WHERE "group_id" = $1`
@@ -270,8 +271,10 @@ const (
 // ResetGroup moves the group's position so that the next message it is handed is the first
 // one kept at or after offset (byTime false) or written at or after the time at (byTime
 // true), and drops the group's claims: deliveries in work are then refused as stale. When no
-// message is kept at or after that point, the group is placed after every message kept. It
-// returns the offset the group's next message will have, or be above.
+// message is kept at or after that point, the group is placed after every message kept, and
+// receives the next message published, whatever its offset. It returns the offset of the
+// group's next message, or, when that message is still to be published, the lowest offset it
+// can have: one above the highest kept.
 func (t Tables) ResetGroup(ctx context.Context, b dbx.Beginner, group string, offset int64, at time.Time, byTime bool) (int64, error) {
 	var next int64
 	err := dbx.InTx(ctx, b, func(tx dbx.Tx) error {
@@ -292,21 +295,18 @@ func (t Tables) ResetGroup(ctx context.Context, b dbx.Beginner, group string, of
 			// and above every message before it with the same xid.
 			pos = next - 1
 		case errors.Is(err, dbx.ErrNoRows):
-			// After every message kept: the last in the order of delivery, and an offset below
-			// the one asked for.
-			var last int64
-			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(lastSQL, t.Messages), nil, &xid, &last)
+			// After every message kept: the last in the order of delivery. The next message
+			// published comes after it, whatever offset was asked for, and its offset is above
+			// every offset kept.
+			var highest int64
+			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(lastSQL, t.Messages), nil, &xid, &pos, &highest)
 			if errors.Is(err, dbx.ErrNoRows) {
-				xid, last, err = "0", 0, nil
+				xid, pos, highest, err = "0", 0, 0, nil
 			}
 			if err != nil {
 				return err
 			}
-			next = last + 1
-			if !byTime {
-				next = max(next, offset)
-			}
-			pos = next - 1
+			next = highest + 1
 		default:
 			return err
 		}

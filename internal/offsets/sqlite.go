@@ -29,8 +29,11 @@ import (
 )
 
 // sqliteNow is the time of the statement on SQLite's clock, in Unix milliseconds (SQLite keeps
-// one 'now' for the whole statement).
-const sqliteNow = `CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)`
+// one 'now' for the whole statement). SQLite's clock counts whole milliseconds, and the
+// julianday arithmetic lands a hair above or below them: it is rounded, not cut, or 'now' would
+// often read a millisecond early, and a claim run just as a delayed message's time came would
+// not find it due.
+const sqliteNow = `CAST(round((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)`
 
 // OnSQLite returns t for a SQLite database: the same names, SQLite's DDL and statements.
 func (t Tables) OnSQLite() Tables {
@@ -247,7 +250,7 @@ func (s *sqliteStore) ensureGroup(ctx context.Context, q dbx.Querier, group stri
 // nothing due) writes nothing and waits for no writer. Otherwise one write transaction takes
 // the due claims again under token (with due), then new messages after the group's position,
 // which it advances.
-func (s *sqliteStore) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, due bool, out []Claimed) ([]Claimed, error) {
+func (s *sqliteStore) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
 	var waiting, dueAny int64
 	if err := dbx.QueryRow(ctx, q, s.peekSQL, []any{due, groupID}, &waiting, &dueAny); err != nil {
 		if errors.Is(err, dbx.ErrNoRows) {
@@ -261,7 +264,7 @@ func (s *sqliteStore) claim(ctx context.Context, q dbx.Querier, groupID int32, t
 	start := len(out)
 	err := dbx.InSQLiteTx(ctx, q, func(tx dbx.Querier) error {
 		var err error
-		out, err = s.claimIn(ctx, tx, groupID, token, ttl, limit, due && dueAny != 0, out)
+		out, err = s.claimIn(ctx, tx, groupID, token, ttl, limit, pass, due && dueAny != 0, out)
 		return err
 	})
 	if err != nil {
@@ -270,7 +273,11 @@ func (s *sqliteStore) claim(ctx context.Context, q dbx.Querier, groupID int32, t
 	return out, nil
 }
 
-func (s *sqliteStore) claimIn(ctx context.Context, tx dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, due bool, out []Claimed) ([]Claimed, error) {
+// claimIn runs the claim's statements in the write transaction tx. New messages are read in
+// offset order until limit of them may be handed out; up to pass delayed messages are read
+// besides, and passed (see ClaimPassing). Reading stops there: the position advances to the
+// last message read.
+func (s *sqliteStore) claimIn(ctx context.Context, tx dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
 	lease := msInt(ttl)
 	if due {
 		rows, err := tx.Query(ctx, s.dueSQL, token, lease, groupID, groupID, limit)
@@ -325,12 +332,12 @@ func (s *sqliteStore) claimIn(ctx context.Context, tx dbx.Querier, groupID int32
 	if err := dbx.QueryRow(ctx, tx, s.positionSQL, []any{groupID}, &pos, &now); err != nil {
 		return out, err
 	}
-	rows, err := tx.Query(ctx, s.readNewSQL, now, pos, limit)
+	rows, err := tx.Query(ctx, s.readNewSQL, now, pos, limit+pass)
 	if err != nil {
 		return out, err
 	}
 	first := len(out)
-	for rows.Next() {
+	for taken := 0; taken < limit && rows.Next(); {
 		c := Claimed{Attempts: 1}
 		var later int64
 		if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata, &later); err != nil {
@@ -339,6 +346,8 @@ func (s *sqliteStore) claimIn(ctx context.Context, tx dbx.Querier, groupID int32
 		}
 		if later != 0 {
 			c = Claimed{Offset: c.Offset, Delayed: time.UnixMilli(later)}
+		} else {
+			taken++
 		}
 		out = append(out, c)
 	}

@@ -81,23 +81,16 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	//
 	// No parameter is used in an expression evaluated per row: the lease deadline is computed
 	// once, in a subquery. The server keeps a generic plan of a prepared statement only if it
-	// does not look dearer than the custom plans made with the parameters' values, and
-	// with a million rows' estimates the constant-folded deadline alone made the custom plans
-	// look cheaper: every claim was then planned anew (TestClaimsKeepGenericPlans).
+	// does not look dearer than the custom plans made with the parameters' values, and on a
+	// large table the constant-folded deadline alone made the custom plans look cheaper: every
+	// claim was then planned anew (TestClaimsKeepGenericPlans; BENCHMARKS.md has the figures).
 	claim := func(due, r string) string {
 		return fmt.Sprintf(`%[4]s`+due+`, `+r+`, g AS (
 	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
 	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4%[5]s
 	  AND (`+nextWaitingSQL+`) IS NOT NULL
 	FOR UPDATE
-), m AS (
-	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", `+delayedSQL+` AS "later"
-	FROM %[2]s m
-	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
-	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
-	ORDER BY m."xid", m."offset"
-	LIMIT $4 - (SELECT count(*) FROM due)
-), ins AS (
+), `+newMessagesSQL("", "$5")+`, ins AS (
 	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
 	SELECT $1, m."offset",
 		CASE WHEN m."later" IS NULL THEN $2::bigint ELSE 0 END,
@@ -117,8 +110,8 @@ func NewStore(t Tables, asyncCommit bool) *Store {
 	//    FOR UPDATE keeps from being flattened into a join), so that no plan, the server's
 	//    generic one included, reads more of the index than the keys given. Joined to the
 	//    arrays directly, the generic plan was a bitmap scan of the group's whole key range,
-	//    which reads the entry of every claim deleted since the last vacuum: a 100-claim ack
-	//    read 12,600 entries (3.4 ms) while a backlog drained (TestSettlePlansStayFlat). FOR
+	//    which reads the entry of every claim deleted since the last vacuum, a cost that grew
+	//    with the backlog drained (TestSettlePlansStayFlat; BENCHMARKS.md has the figures). FOR
 	//    UPDATE locks the claim's newest version and checks the key and token on it (L3): k
 	//    holds exactly the claims that are still this delivery's.
 	//  - d changes those claims by row address. A claim that a concurrent statement (an
@@ -190,6 +183,32 @@ WHERE m."offset" IN (
 	LIMIT 1000
 ) x`, t.Groups, t.Messages)
 	return s
+}
+
+// newMessagesSQL is the step m of the claim statements: the messages after the group's
+// position (read from g) that were written by transactions older than every running one (M2),
+// in (xid, offset) order, up to the room the due claims left ($4 minus their count) that may
+// be handed out now, and the delayed ones among and before them (see delayedSQL), which the
+// group's position passes. Up to pass (the parameter named) delayed messages are passed beyond
+// that room, so that a run of delayed messages does not take the claim's room from the
+// messages behind it; with pass 0 the delayed ones count against the room. The position is
+// read through scalar subqueries so that it reaches the index scan of (xid, offset) as a
+// bound. mat is "" or "MATERIALIZED ".
+func newMessagesSQL(mat, pass string) string {
+	return `m0 AS (
+	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", ` + delayedSQL + ` AS "later"
+	FROM %[2]s m
+	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
+	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
+	ORDER BY m."xid", m."offset"
+	LIMIT $4 - (SELECT count(*) FROM due) + ` + pass + `
+), m AS ` + mat + `(
+	SELECT w."offset", w."xid", w."uuid", w."payload", w."metadata", w."later" FROM (
+		SELECT m0.*, count(*) FILTER (WHERE m0."later" IS NULL) OVER (ORDER BY m0."xid", m0."offset" ROWS UNBOUNDED PRECEDING) AS "nth"
+		FROM m0
+	) w
+	WHERE w."nth" - (w."later" IS NULL)::int < (SELECT $4 - count(*) FROM due)
+)`
 }
 
 // dueSQL is the due step of the claim statements: up to $4 claims of group $1 whose lease ran
@@ -279,20 +298,18 @@ type Claimed struct {
 }
 
 // Split moves the delayed entries (Claimed.Delayed) of cs out of it, keeping the order of the
-// others, and returns the earliest of their times (zero if none).
-func Split(cs []Claimed) ([]Claimed, time.Time) {
-	var first time.Time
+// others, and returns their times, in the order of cs.
+func Split(cs []Claimed) ([]Claimed, []time.Time) {
+	var delayed []time.Time
 	kept := cs[:0]
 	for _, c := range cs {
 		if c.Delayed.IsZero() {
 			kept = append(kept, c)
 			continue
 		}
-		if first.IsZero() || c.Delayed.Before(first) {
-			first = c.Delayed
-		}
+		delayed = append(delayed, c.Delayed)
 	}
-	return kept, first
+	return kept, delayed
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
@@ -348,14 +365,22 @@ func scanClaimed(rows dbx.Rows, out []Claimed) ([]Claimed, error) {
 // With due false it claims new messages only: it reads no claim of the group, so its cost
 // does not depend on how many claims were settled since the last vacuum (see dueSQL).
 func (s *Store) Claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, due bool, out []Claimed) ([]Claimed, error) {
+	return s.ClaimPassing(ctx, q, groupID, token, ttl, limit, 0, due, out)
+}
+
+// ClaimPassing is Claim that passes up to pass delayed messages besides the limit messages it
+// may claim: delayed messages it passes do not take the room of the messages behind them
+// (with pass 0 they do, as in Claim). A claim that passed delayed messages is best followed
+// by one with room to pass many: the run may go on.
+func (s *Store) ClaimPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
 	if s.lite != nil {
-		return s.lite.claim(ctx, q, groupID, token, ttl, limit, due, out)
+		return s.lite.claim(ctx, q, groupID, token, ttl, limit, pass, due, out)
 	}
 	sql := s.claimNewSQL
 	if due {
 		sql = s.claimSQL
 	}
-	rows, err := q.Query(ctx, sql, groupID, token, ms(ttl), limit)
+	rows, err := q.Query(ctx, sql, groupID, token, ms(ttl), limit, pass)
 	if err != nil {
 		return out, err
 	}
