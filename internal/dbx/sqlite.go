@@ -94,8 +94,11 @@ func NewSQLitePool(db *sql.DB) *SQLitePool { return &SQLitePool{DB: db} }
 
 // OpenSQLitePool opens a *sql.DB of the "sqlite" driver on dsn, whose settings the caller
 // (the broker) put in the DSN. With memory set, one connection is held open for the pool's
-// life, so that the in-memory database the DSN names lives as long as the pool. The error
-// ErrNoSQLiteDriver says that the program did not import the driver.
+// life, so that the in-memory database the DSN names lives as long as the pool: the pool
+// opens one connection more than maxConns for it, so that maxConns stay for the statements
+// (with maxConns 1, the anchor would otherwise hold the pool's only connection and every
+// statement would wait for ever). The error ErrNoSQLiteDriver says that the program did not
+// import the driver.
 //
 // path names the database file (or the in-memory database's name), for the process's write
 // gate of it.
@@ -106,6 +109,9 @@ func OpenSQLitePool(dsn, path string, maxConns int, memory bool) (*SQLitePool, e
 	db, err := sql.Open("sqlite", dsn)
 	if err != nil {
 		return nil, err
+	}
+	if memory {
+		maxConns++ // the anchor
 	}
 	db.SetMaxOpenConns(maxConns)
 	db.SetMaxIdleConns(maxConns)
@@ -149,6 +155,10 @@ type SQLiteConfigError struct{ Reason string }
 func (e *SQLiteConfigError) Error() string { return "sqlite: " + e.Reason }
 
 func (p *SQLitePool) Driver() string { return "sqlite" }
+
+// InMemory reports whether the pool is on an in-memory database the library opened, which no
+// other process can write to.
+func (p *SQLitePool) InMemory() bool { return p.anchor != nil }
 
 func (p *SQLitePool) OpenConns() int { return p.DB.Stats().OpenConnections }
 
