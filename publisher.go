@@ -252,7 +252,7 @@ func (p *Publisher) write(ctx context.Context, q dbx.Querier, store *offsets.Sto
 				p.logger.Debug("NOTIFY failed; subscribers will poll", watermill.LogFields{"err": nerr})
 			}
 		}
-	case p.db.tx == nil && len(rows) > offsets.MaxRowsPerStatement():
+	case p.db.tx == nil && !store.OneStatement(rows):
 		err = dbx.InTx(ctx, q.(dbx.Beginner), func(tx dbx.Tx) error { return store.Insert(ctx, tx, rows, channel) })
 	default:
 		err = store.Insert(ctx, q, rows, channel)

@@ -421,12 +421,11 @@ func (s *sqliteStore) settle(ctx context.Context, q dbx.Querier, prefix string, 
 	return done, nil
 }
 
-// insert writes rows; a delayed row's deliver_at is its time in Unix milliseconds, rounded up
-// so that it is never handed out before that time.
-func (s *sqliteStore) insert(ctx context.Context, q dbx.Querier, rows []Row) error {
+// insert writes rows, in statements of at most next's rows; a delayed row's deliver_at is its
+// time in Unix milliseconds, rounded up so that it is never handed out before that time.
+func (s *sqliteStore) insert(ctx context.Context, q dbx.Querier, rows []Row, next func([]Row) (int, bool)) error {
 	for len(rows) > 0 {
-		n := min(len(rows), maxRowsPerInsert)
-		delayed := anyDelayed(rows[:n])
+		n, delayed := next(rows)
 		prefix, tuple := s.insertPrefix, "(?,?,?)"
 		if delayed {
 			prefix, tuple = s.insDelPrefix, "(?,?,?,?)"
