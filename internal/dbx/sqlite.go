@@ -253,10 +253,11 @@ func (p *SQLitePool) setUp(ctx context.Context, c *sql.Conn) error {
 	return nil
 }
 
-// SQLiteMaxReady bounds the connections a pool remembers as set up. database/sql does not say when
-// it closes a connection on its own (idle time, lifetime, SetMaxIdleConns), and each entry
-// keeps its driver connection from being collected: past SQLiteMaxReady entries the set starts
-// anew, and the connections still open are checked once more (two PRAGMA reads each).
+// SQLiteMaxReady bounds the connections a pool remembers as set up. database/sql does not
+// say when it closes a connection on its own (idle time, lifetime, SetMaxIdleConns), and each
+// entry keeps its driver connection from being collected: past SQLiteMaxReady entries the set
+// starts anew, and the connections still open are checked once more (a few PRAGMA reads
+// each), as the pid cache of database/sql connections does on PostgreSQL.
 const SQLiteMaxReady = 256
 
 // remember notes the driver connection key as set up.
