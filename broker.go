@@ -26,7 +26,8 @@ const (
 // BrokerConfig configures a Broker built from a URL.
 type BrokerConfig struct {
 	// MaxConns bounds the connections of the pool the broker builds. Defaults to
-	// DefaultMaxConns.
+	// DefaultMaxConns. On sqlite::memory:, the pool holds one connection more, which keeps
+	// the database alive: MaxConns connections stay for the statements, so 1 works there too.
 	MaxConns int
 
 	// ConnectTimeout bounds the opening of one connection, unless the URL sets

@@ -110,7 +110,9 @@ type PublisherConfig struct {
 
 	// MaxGroupRows bounds the rows of one grouped statement. A call with more messages is
 	// never grouped: it runs alone, in one statement or one transaction. At most
-	// 10,000 (the rows one statement takes). Defaults to DefaultMaxGroupRows.
+	// 10,000 (the rows one statement takes). On SQLite a statement takes 8,191 rows when one
+	// of them is delayed: a larger group is written in one transaction of two statements,
+	// all or none as well. Defaults to DefaultMaxGroupRows.
 	MaxGroupRows int
 
 	// MaxStatementBytes bounds the bytes (payloads, UUIDs and metadata, plus a few bytes per

@@ -3,12 +3,12 @@ package sqlbroker
 import (
 	"time"
 
-	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 )
 
 // QueuedCalls is the number of grouped Publish calls of p waiting for topic's next statement.
 func QueuedCalls(p *Publisher, topic string) int {
-	table := offsets.NewTables(p.config.Schema, p.config.TablePrefix, topic).Messages
+	table := tablesFor(p.config.Schema, p.config.TablePrefix, topic, p.db.sqlite()).Messages
 	p.groupsMu.Lock()
 	g := p.groups[table]
 	p.groupsMu.Unlock()
@@ -54,3 +54,12 @@ func PublisherRunning(p *Publisher) int {
 
 // SubscriberRunning is the number of statements of s running now.
 func SubscriberRunning(s *Subscriber) int { return s.tracker.Running() }
+
+// SQLiteGatePaths lists the database files whose write gates the process keeps.
+var SQLiteGatePaths = dbx.SQLiteGatePaths
+
+// SQLiteReadyConns counts the connections db (a DB of SQLite) remembers as set up.
+func SQLiteReadyConns(db DB) int { return db.pool.(*dbx.SQLitePool).ReadyConns() }
+
+// SQLiteMaxReady bounds SQLiteReadyConns.
+const SQLiteMaxReady = dbx.SQLiteMaxReady

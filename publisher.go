@@ -267,7 +267,7 @@ func (p *Publisher) write(ctx context.Context, q dbx.Querier, store *offsets.Sto
 			}
 			return nil
 		}
-		if p.db.tx == nil && (len(chunks) > 1 || len(rows) > offsets.MaxRowsPerStatement()) {
+		if p.db.tx == nil && (len(chunks) > 1 || !store.OneStatement(rows)) {
 			err = dbx.InTx(ctx, q.(dbx.Beginner), func(tx dbx.Tx) error { return insert(tx) })
 		} else {
 			err = insert(q)

@@ -27,7 +27,9 @@ import (
 // looks every PollInterval, as without it.
 //
 // The connection counts against the pool's limit: a pool limited to one connection gets no
-// watch. The last subscription of the pool to stop closes it (counted in its CloseReport) and
+// watch. Nor does the pool of an in-memory database (sqlite::memory:): no other process can
+// commit to it, and its publishers in this process wake its subscriptions themselves, so the
+// watch would only take a connection from a pool that may have one or two. The last subscription of the pool to stop closes it (counted in its CloseReport) and
 // waits for the watch's goroutine.
 
 // commitWatch is the watch of one SQLite pool in this process.
@@ -54,7 +56,7 @@ var (
 // pool cannot spare a connection. leave reports whether it closed the watch's connection.
 func joinCommitWatch(sub *subscription) (w *commitWatch, leave func() bool) {
 	p, ok := sub.s.db.(*dbx.SQLitePool)
-	if !ok || p.DB.Stats().MaxOpenConnections == 1 {
+	if !ok || p.InMemory() || p.DB.Stats().MaxOpenConnections == 1 {
 		return nil, func() bool { return false }
 	}
 	watchesMu.Lock()

@@ -1,7 +1,8 @@
-// Package dbx is the one seam between the library and the two PostgreSQL drivers it supports:
-// pgx/v5 (a *pgxpool.Pool) and database/sql (lib/pq, or pgx's stdlib). Everything above this
-// package speaks only these interfaces; every driver-specific detail (argument conversion,
-// cancellation, connection identity) stays in the two adapter files.
+// Package dbx is the one seam between the library and the database drivers it supports: on
+// PostgreSQL, pgx/v5 (a *pgxpool.Pool) and database/sql (lib/pq, or pgx's stdlib); on SQLite,
+// database/sql with modernc.org/sqlite. Everything above this package speaks only these
+// interfaces; every driver-specific detail (argument conversion, cancellation, connection
+// identity, SQLite's write lock) stays in the adapter files (pgx.go, std.go, sqlite.go).
 package dbx
 
 import (

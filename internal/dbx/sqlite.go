@@ -7,8 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 )
 
 // SQLiteBusyTimeoutMS is the busy timeout the library sets on every SQLite connection it uses
@@ -35,10 +37,12 @@ type SQLitePool struct {
 	preset bool      // built by the library with the settings in its DSN: nothing to check
 	anchor *sql.Conn // an in-memory database: the connection that keeps it alive
 
-	ready sync.Map // driver connection -> struct{}: checked and set up
+	ready  sync.Map // driver connection -> struct{}: checked and set up
+	nready atomic.Int64
 
-	gateMu sync.Mutex
-	gate   *writeGate // the database file's, once known
+	gateMu      sync.Mutex
+	gate        *writeGate // the database file's, once known
+	releaseGate func()     // gives back the pool's reference to gate
 
 	closeOnce sync.Once
 }
@@ -63,29 +67,59 @@ func (g *writeGate) lock(ctx context.Context) error {
 
 func (g *writeGate) unlock() { <-g.ch }
 
-// gates holds the write gate of each database file the process uses, by absolute path.
+// gates holds the write gate of each database file that pools of the process use, by
+// absolute path, with the number of pools holding it: the last one to let go drops it, so
+// that a process that opens and closes many databases (every sqlite::memory: broker has one
+// of its own) does not keep a gate for each.
 var gates = struct {
 	sync.Mutex
-	m map[string]*writeGate
-}{m: map[string]*writeGate{}}
+	m map[string]*sharedGate
+}{m: map[string]*sharedGate{}}
 
-// gateOf returns the write gate of the database file path; "" (a private in-memory or
-// temporary database) gets a gate of its own.
-func gateOf(path string) *writeGate {
+type sharedGate struct {
+	g    *writeGate
+	refs int
+}
+
+// gateOf returns the write gate of the database file path, and the function that gives the
+// reference back (once; later calls do nothing); "" (a private in-memory or temporary
+// database) gets a gate of its own.
+func gateOf(path string) (*writeGate, func()) {
 	if path == "" {
-		return newWriteGate()
+		return newWriteGate(), func() {}
 	}
 	if abs, err := filepath.Abs(path); err == nil {
 		path = abs
 	}
 	gates.Lock()
 	defer gates.Unlock()
-	g := gates.m[path]
-	if g == nil {
-		g = newWriteGate()
-		gates.m[path] = g
+	sg := gates.m[path]
+	if sg == nil {
+		sg = &sharedGate{g: newWriteGate()}
+		gates.m[path] = sg
 	}
-	return g
+	sg.refs++
+	var once sync.Once
+	return sg.g, func() {
+		once.Do(func() {
+			gates.Lock()
+			defer gates.Unlock()
+			if sg.refs--; sg.refs == 0 && gates.m[path] == sg {
+				delete(gates.m, path)
+			}
+		})
+	}
+}
+
+// SQLiteGatePaths lists the database files whose write gates the process keeps.
+func SQLiteGatePaths() []string {
+	gates.Lock()
+	defer gates.Unlock()
+	out := make([]string, 0, len(gates.m))
+	for p := range gates.m {
+		out = append(out, p)
+	}
+	return out
 }
 
 // NewSQLitePool wraps a caller's *sql.DB: its connections are checked and set up before first
@@ -94,8 +128,11 @@ func NewSQLitePool(db *sql.DB) *SQLitePool { return &SQLitePool{DB: db} }
 
 // OpenSQLitePool opens a *sql.DB of the "sqlite" driver on dsn, whose settings the caller
 // (the broker) put in the DSN. With memory set, one connection is held open for the pool's
-// life, so that the in-memory database the DSN names lives as long as the pool. The error
-// ErrNoSQLiteDriver says that the program did not import the driver.
+// life, so that the in-memory database the DSN names lives as long as the pool: the pool
+// opens one connection more than maxConns for it, so that maxConns stay for the statements
+// (with maxConns 1, the anchor would otherwise hold the pool's only connection and every
+// statement would wait for ever). The error ErrNoSQLiteDriver says that the program did not
+// import the driver.
 //
 // path names the database file (or the in-memory database's name), for the process's write
 // gate of it.
@@ -107,13 +144,18 @@ func OpenSQLitePool(dsn, path string, maxConns int, memory bool) (*SQLitePool, e
 	if err != nil {
 		return nil, err
 	}
+	if memory {
+		maxConns++ // the anchor
+	}
 	db.SetMaxOpenConns(maxConns)
 	db.SetMaxIdleConns(maxConns)
-	p := &SQLitePool{DB: db, preset: true, gate: gateOf(path)}
+	p := &SQLitePool{DB: db, preset: true}
+	p.gate, p.releaseGate = gateOf(path)
 	if memory {
 		c, err := db.Conn(context.Background())
 		if err != nil {
 			_ = db.Close()
+			p.releaseGate()
 			return nil, err
 		}
 		p.anchor = c
@@ -150,15 +192,24 @@ func (e *SQLiteConfigError) Error() string { return "sqlite: " + e.Reason }
 
 func (p *SQLitePool) Driver() string { return "sqlite" }
 
+// InMemory reports whether the pool is on an in-memory database the library opened, which no
+// other process can write to.
+func (p *SQLitePool) InMemory() bool { return p.anchor != nil }
+
 func (p *SQLitePool) OpenConns() int { return p.DB.Stats().OpenConnections }
 
-// Close closes the pool (a pool the library opened).
+// Close closes the pool (a pool the library opened), and gives back its write gate.
 func (p *SQLitePool) Close() {
 	p.closeOnce.Do(func() {
 		if p.anchor != nil {
 			_ = p.anchor.Close()
 		}
 		_ = p.DB.Close()
+		p.gateMu.Lock()
+		if p.releaseGate != nil {
+			p.releaseGate()
+		}
+		p.gateMu.Unlock()
 	})
 }
 
@@ -198,8 +249,40 @@ func (p *SQLitePool) setUp(ctx context.Context, c *sql.Conn) error {
 			return &SQLiteConfigError{Reason: fmt.Sprintf("the database is in journal_mode %q and refused WAL, which a queue needs (readers and the writer must not block each other)", mode)}
 		}
 	}
-	p.ready.Store(key, struct{}{})
+	p.remember(key)
 	return nil
+}
+
+// SQLiteMaxReady bounds the connections a pool remembers as set up. database/sql does not
+// say when it closes a connection on its own (idle time, lifetime, SetMaxIdleConns), and each
+// entry keeps its driver connection from being collected: past SQLiteMaxReady entries the set
+// starts anew, and the connections still open are checked once more (a few PRAGMA reads
+// each), as the pid cache of database/sql connections does on PostgreSQL.
+const SQLiteMaxReady = 256
+
+// remember notes the driver connection key as set up.
+func (p *SQLitePool) remember(key any) {
+	if key == nil {
+		return
+	}
+	if _, had := p.ready.LoadOrStore(key, struct{}{}); !had && p.nready.Add(1) > SQLiteMaxReady {
+		p.ready.Clear()
+		p.nready.Store(0)
+	}
+}
+
+// forget drops the driver connection key from the set of connections set up.
+func (p *SQLitePool) forget(key any) {
+	if _, had := p.ready.LoadAndDelete(key); had {
+		p.nready.Add(-1)
+	}
+}
+
+// ReadyConns counts the connections the pool remembers as set up.
+func (p *SQLitePool) ReadyConns() int {
+	n := 0
+	p.ready.Range(func(any, any) bool { n++; return true })
+	return n
 }
 
 // findGate finds the write gate of a caller's *sql.DB from the file of its main database.
@@ -228,7 +311,11 @@ func (p *SQLitePool) findGate(ctx context.Context, c *sql.Conn) error {
 	if err := rows.Err(); err != nil {
 		return err
 	}
-	p.gate = gateOf(file)
+	// A caller's handle is never closed by the library: the pool's reference to the gate is
+	// given back when the pool itself is collected (no publisher or subscriber uses it).
+	gate, release := gateOf(file)
+	p.gate, p.releaseGate = gate, release
+	runtime.AddCleanup(p, func(release func()) { release() }, release)
 	return nil
 }
 
@@ -424,7 +511,7 @@ func (c *sqliteConn) Release() { _ = c.c.Close() }
 
 func (c *sqliteConn) Destroy() {
 	_ = c.c.Raw(func(dc any) error {
-		c.pool.ready.Delete(dc)
+		c.pool.forget(dc)
 		return driver.ErrBadConn
 	})
 	_ = c.c.Close()

@@ -118,3 +118,20 @@ func TableName(prefix, topic, suffix string) string {
 	}
 	return prefix + topic[:keep] + "#" + hash + suffix
 }
+
+// SQLiteTableName is TableName for a SQLite database, which compares table names without
+// regard to case, quoted or not: "Orders" and "orders" would name one table. A topic with an
+// upper-case letter therefore gets "#" and 12 hex digits of the SHA-256 of the whole topic
+// after its (possibly cut) name, the shape of a shortened name, so its tables are its own:
+// two such names equal without regard to case hold the same hash, and a name without "#" is
+// an all-lower-case topic's, unshortened, which no other topic gets. An all-lower-case topic
+// keeps TableName's name, as in files written before.
+func SQLiteTableName(prefix, topic, suffix string) string {
+	if strings.ToLower(topic) == topic {
+		return TableName(prefix, topic, suffix)
+	}
+	sum := sha256.Sum256([]byte(topic))
+	hash := hex.EncodeToString(sum[:])[:12]
+	keep := min(len(topic), max(MaxIdentifierLength-len(prefix)-len(suffix)-len(hash)-1, 0))
+	return prefix + topic[:keep] + "#" + hash + suffix
+}

@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 )
 
 // sqliteNow is the time of the statement on SQLite's clock, in Unix milliseconds (SQLite keeps
@@ -35,9 +36,19 @@ import (
 // not find it due.
 const sqliteNow = `CAST(round((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)`
 
-// OnSQLite returns t for a SQLite database: the same names, SQLite's DDL and statements.
+// OnSQLite returns t for a SQLite database: SQLite's DDL and statements, and SQLite's table
+// names. SQLite compares table names without regard to case, even quoted, so the names of a
+// topic with an upper-case letter carry a hash of the topic (see ident.SQLiteTableName):
+// "Orders" and "orders" keep tables of their own, and so do their dead-letter topics. An
+// all-lower-case topic's names are those of PostgreSQL.
 func (t Tables) OnSQLite() Tables {
 	t.sqlite = true
+	t.MessagesName = ident.SQLiteTableName(t.prefix, t.Topic, "_messages")
+	t.GroupsName = ident.SQLiteTableName(t.prefix, t.Topic, "_groups")
+	t.ClaimsName = ident.SQLiteTableName(t.prefix, t.Topic, "_claims")
+	t.Messages = ident.Qualified(t.Schema, t.MessagesName)
+	t.Groups = ident.Qualified(t.Schema, t.GroupsName)
+	t.Claims = ident.Qualified(t.Schema, t.ClaimsName)
 	return t
 }
 
@@ -109,14 +120,16 @@ func (t Tables) sqliteCreateIn(ctx context.Context, tx dbx.Querier) error {
 // schema version without its deliver_at column, which InitializeSchema adds.
 var sqliteNoDeliverAt = fmt.Sprintf("%s%d without deliver_at", schemaCommentPrefix, SchemaVersion)
 
+// sqliteCheck reads the catalog as SQLite resolves a table name: without regard to (ASCII)
+// case, so that it finds the table CREATE TABLE IF NOT EXISTS would find.
 func (t Tables) sqliteCheck(ctx context.Context, q dbx.Querier, missingOK bool) error {
 	var m, g, c, deliverAt int64
 	var ddl string
 	err := dbx.QueryRow(ctx, q, `SELECT
-	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?),
-	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?),
-	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?),
-	coalesce((SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?), ''),
+	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ? COLLATE NOCASE),
+	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ? COLLATE NOCASE),
+	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ? COLLATE NOCASE),
+	coalesce((SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ? COLLATE NOCASE), ''),
 	EXISTS (SELECT 1 FROM pragma_table_info(?) WHERE name = 'deliver_at')`,
 		[]any{t.MessagesName, t.GroupsName, t.ClaimsName, t.MessagesName, t.MessagesName}, &m, &g, &c, &ddl, &deliverAt)
 	if err != nil {
@@ -417,12 +430,11 @@ func (s *sqliteStore) settle(ctx context.Context, q dbx.Querier, prefix string, 
 	return done, nil
 }
 
-// insert writes rows; a delayed row's deliver_at is its time in Unix milliseconds, rounded up
-// so that it is never handed out before that time.
-func (s *sqliteStore) insert(ctx context.Context, q dbx.Querier, rows []Row) error {
+// insert writes rows, in statements of at most next's rows; a delayed row's deliver_at is its
+// time in Unix milliseconds, rounded up so that it is never handed out before that time.
+func (s *sqliteStore) insert(ctx context.Context, q dbx.Querier, rows []Row, next func([]Row) (int, bool)) error {
 	for len(rows) > 0 {
-		n := min(len(rows), maxRowsPerInsert)
-		delayed := anyDelayed(rows[:n])
+		n, delayed := next(rows)
 		prefix, tuple := s.insertPrefix, "(?,?,?)"
 		if delayed {
 			prefix, tuple = s.insDelPrefix, "(?,?,?,?)"

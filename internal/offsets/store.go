@@ -551,8 +551,44 @@ type Row struct {
 	DeliverAt time.Time
 }
 
-// maxRowsPerInsert keeps one INSERT under PostgreSQL's 65535 bind parameters.
+// maxRowsPerInsert bounds the rows of one INSERT, whatever the database.
 const maxRowsPerInsert = 10000
+
+// The most bind parameters one statement may carry: PostgreSQL's wire protocol counts them in
+// 16 bits, and SQLite's SQLITE_MAX_VARIABLE_NUMBER is 32766 (modernc.org/sqlite keeps the
+// default).
+const (
+	maxParamsPostgres = 65535
+	maxParamsSQLite   = 32766
+)
+
+// rowsPerInsert is the most rows of one INSERT on the store's database: maxRowsPerInsert, or
+// fewer when their parameters (3 a row, 4 when the statement carries deliver_at) would pass
+// the database's limit. On SQLite, a statement of delayed rows takes 8191.
+func (s *Store) rowsPerInsert(delayed bool) int {
+	limit := maxParamsPostgres
+	if s.lite != nil {
+		limit = maxParamsSQLite
+	}
+	per := 3
+	if delayed {
+		per = 4
+	}
+	return min(maxRowsPerInsert, limit/per)
+}
+
+// nextInsert is the number of rows at the head of rows that the next INSERT writes, and
+// whether it carries deliver_at.
+func (s *Store) nextInsert(rows []Row) (n int, delayed bool) {
+	n = min(len(rows), s.rowsPerInsert(anyDelayed(rows[:min(len(rows), maxRowsPerInsert)])))
+	return n, anyDelayed(rows[:n])
+}
+
+// OneStatement reports whether Insert writes rows in one statement (all or none by itself);
+// more rows need a transaction around Insert to be written all or none.
+func (s *Store) OneStatement(rows []Row) bool {
+	return len(rows) <= s.rowsPerInsert(anyDelayed(rows))
+}
 
 // InsertSQL builds the multi-row INSERT for n rows. With notify, the same statement also sends
 // NOTIFY on channel with the messages table's name as payload (delivered when the
@@ -604,16 +640,16 @@ func (s *Store) insertSQL(n int, channel string, delayed bool) string {
 // table name built from validated parts).
 func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
 
-// Insert writes rows in statements of at most maxRowsPerInsert rows each, the last of which
-// also notifies channel when it is not "". Callers that need all-or-none for more rows than
-// one statement holds run it inside a transaction.
+// Insert writes rows in statements of at most rowsPerInsert rows each (no statement passes
+// the database's limit of bind parameters), the last of which also notifies channel when it
+// is not "". Callers that need all-or-none for more rows than one statement holds
+// (OneStatement) run it inside a transaction.
 func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row, channel string) error {
 	if s.lite != nil {
-		return s.lite.insert(ctx, q, rows) // SQLite has no NOTIFY: channel does not apply
+		return s.lite.insert(ctx, q, rows, s.nextInsert) // SQLite has no NOTIFY: channel does not apply
 	}
 	for len(rows) > 0 {
-		n := min(len(rows), maxRowsPerInsert)
-		delayed := anyDelayed(rows[:n])
+		n, delayed := s.nextInsert(rows)
 		args := make([]any, 0, n*4)
 		for _, r := range rows[:n] {
 			payload := r.Payload
@@ -637,7 +673,8 @@ func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row, channel s
 	return nil
 }
 
-// MaxRowsPerStatement says how many rows Insert writes in one statement.
+// MaxRowsPerStatement says how many rows Insert writes in one statement at most (fewer on
+// SQLite when a row is delayed: see OneStatement).
 func MaxRowsPerStatement() int { return maxRowsPerInsert }
 
 // CopyMinRows is the number of rows from which Copy writes faster than Insert on this

@@ -10,6 +10,9 @@ import (
 // FuzzNewTables checks the identifiers built for every topic that validation accepts (M6):
 // three distinct table names of at most 63 bytes, quoted (and schema-qualified) so that the
 // SQL text holds each as exactly one identifier, and two distinct topics never share a table.
+// On SQLite, which compares table names without regard to case, the names of two distinct
+// topics never compare equal that way either, and an all-lower-case topic keeps the names it
+// has on PostgreSQL (the names of files written before).
 func FuzzNewTables(f *testing.F) {
 	seeds := []struct{ topic, other, schema, prefix string }{
 		{"orders", "orders2", "", "sqlbroker_"},
@@ -22,6 +25,10 @@ func FuzzNewTables(f *testing.F) {
 		{"a$sqlbroker$b", "a$sqlbroker_$b", "", "sqlbroker_"},
 		{"$sqlbroker_$$sqlbroker$", "$", "app", "sqlbroker_"},
 		{"price$usd", "price.usd", "", "sqlbroker_"},
+		{"Orders", "orders", "", "sqlbroker_"},
+		{"ORDERS.dead-letter", "orders.dead-letter", "", "sqlbroker_"},
+		{strings.Repeat("A", 255), strings.Repeat("a", 255), "", "sqlbroker_"},
+		{"Orders#0123456789ab", "orders", "", "sqlbroker_"},
 	}
 	for _, s := range seeds {
 		f.Add(s.topic, s.other, s.schema, s.prefix)
@@ -84,12 +91,43 @@ func FuzzNewTables(f *testing.F) {
 		if lite := tb.OnSQLite().SchemaSQL(); strings.Count(lite, `"`)%2 != 0 {
 			t.Fatalf("topic %q: unbalanced quotes in the SQLite schema SQL", topic)
 		}
+		lt := tb.OnSQLite()
+		liteRaw := []string{lt.MessagesName, lt.GroupsName, lt.ClaimsName}
+		liteQuoted := []string{lt.Messages, lt.Groups, lt.Claims}
+		liteSeen := map[string]bool{}
+		for i, name := range liteRaw {
+			if name == "" || len(name) > ident.MaxIdentifierLength || !strings.HasPrefix(name, prefix) || strings.Contains(name, `"`) {
+				t.Fatalf("topic %q: SQLite table name %q", topic, name)
+			}
+			if liteSeen[strings.ToLower(name)] {
+				t.Fatalf("topic %q: two SQLite tables named %q without regard to case", topic, name)
+			}
+			liteSeen[strings.ToLower(name)] = true
+			if strings.ToLower(topic) == topic && name != raw[i] {
+				t.Fatalf("topic %q: SQLite table name %q, want the PostgreSQL name %q", topic, name, raw[i])
+			}
+			want := `"` + name + `"`
+			if schema != "" {
+				want = `"` + schema + `".` + want
+			}
+			if liteQuoted[i] != want {
+				t.Fatalf("topic %q: SQLite quoted %q, want %q", topic, liteQuoted[i], want)
+			}
+		}
 		if other != topic && ident.ValidateName("topic", other) == nil {
 			ob := NewTables(schema, prefix, other)
 			for _, a := range raw {
 				for _, b := range []string{ob.MessagesName, ob.GroupsName, ob.ClaimsName} {
 					if a == b {
 						t.Fatalf("topics %q and %q share the table %q", topic, other, a)
+					}
+				}
+			}
+			ol := ob.OnSQLite()
+			for _, a := range liteRaw {
+				for _, b := range []string{ol.MessagesName, ol.GroupsName, ol.ClaimsName} {
+					if strings.EqualFold(a, b) {
+						t.Fatalf("topics %q and %q share the SQLite table %q (%q)", topic, other, a, b)
 					}
 				}
 			}
