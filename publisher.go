@@ -57,7 +57,7 @@ var _ message.Publisher = (*Publisher)(nil)
 // NewPublisher builds a Publisher on db. A nil logger logs nothing.
 func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter) (*Publisher, error) {
 	if !db.valid() {
-		return nil, &ConfigError{Field: "db", Value: "empty DB", Reason: "must wrap a pool or transaction: use sqlbroker.Pgx, StdSQL, PgxTx or StdTx"}
+		return nil, &ConfigError{Field: "db", Value: "empty DB", Reason: "must wrap a pool or transaction: use sqlbroker.Pgx, StdSQL, SQLite, PgxTx, StdTx or SQLiteTx"}
 	}
 	config.setDefaults()
 	if err := config.validate(); err != nil {
