@@ -3,7 +3,7 @@
 //
 //	sqlbroker inspect [-topic T]... [-claims N] [-json]
 //	sqlbroker schema TOPIC
-//	sqlbroker retention [-older-than D] [TOPIC...]
+//	sqlbroker retention -older-than D [-dedup-table T] [TOPIC...]
 //	sqlbroker group reset TOPIC GROUP (-offset N | -time T)
 //	sqlbroker group delete TOPIC GROUP
 //	sqlbroker peek TOPIC [-offset N] [-n N] [-width W]
@@ -43,9 +43,11 @@ import (
 const usage = `usage:
   sqlbroker inspect [-topic T]... [-claims N]        topics, groups, lag, claims, the xmin horizon
   sqlbroker schema TOPIC                             the DDL of TOPIC's tables, for migrations
-  sqlbroker retention [-older-than D] [-dedup-table T] [TOPIC...]
-                                                     one retention pass (every topic by default),
-                                                     and expired keys of a deduplication table
+  sqlbroker retention -older-than D [-dedup-table T] [TOPIC...]
+                                                     one retention pass over the settled messages
+                                                     older than D (-older-than 0: every settled
+                                                     one), of every topic by default, and expired
+                                                     keys of a deduplication table
   sqlbroker group reset TOPIC GROUP (-offset N | -time T)
                                                      the group receives again from that message
   sqlbroker group delete TOPIC GROUP                 delete a group, so it stops holding retention
@@ -164,6 +166,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		fmt.Fprintf(stderr, "sqlbroker inspect: unexpected argument %q (name topics with -topic)\n", pos[0])
 		return 2
 	}
+	if cmd == "retention" && !flagSet(fs, "older-than") {
+		// Without it, a pass would delete every settled message of every topic: say how old.
+		fmt.Fprintf(stderr, "sqlbroker retention: give -older-than D (for example -older-than 168h): the pass deletes the settled messages older than D; -older-than 0 deletes every settled one\n")
+		return 2
+	}
 	if cmd == "group reset" && (offset < 0) == (at == "") {
 		fmt.Fprintf(stderr, "sqlbroker group reset: give exactly one of -offset N (N >= 0) or -time T\n")
 		return 2
@@ -208,6 +215,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		opts := sqlbroker.InspectOptions{Claims: claims}
 		if len(topics) > 0 {
 			opts.Topics = topics
+		}
+		for _, topic := range topics {
+			// A topic named on the command line must exist: a typo is an error, not a row.
+			if _, err := admin.Peek(ctx, topic, sqlbroker.ListOptions{Limit: 1}); err != nil {
+				var missing *sqlbroker.MissingTableError
+				if errors.As(err, &missing) {
+					fmt.Fprintf(stderr, "sqlbroker inspect: no such topic %q (no table %s; check -schema and -prefix)\n", topic, missing.Table)
+					return 1
+				}
+				return fail(stderr, rawURL, err)
+			}
 		}
 		ins, err := admin.Inspect(ctx, opts)
 		if err != nil {
@@ -294,6 +312,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		fmt.Fprintf(stdout, "topic %q: consumer group %q deleted (%d claims dropped)\n", pos[0], pos[1], n)
 	}
 	return 0
+}
+
+// flagSet reports whether the flag name was given on the command line.
+func flagSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
 }
 
 // parse parses flags wherever they stand among the positional arguments.
