@@ -9,6 +9,7 @@
 //	sqlbroker peek TOPIC [-offset N] [-n N] [-width W]
 //	sqlbroker dead-letter list DEADTOPIC [-offset N] [-n N]
 //	sqlbroker dead-letter redrive DEADTOPIC [-to TOPIC] [-limit N] [-batch N] [-dry-run]
+//	sqlbroker migrate-watermill-sql TOPIC -group G [-batch N] [-dry-run]
 //
 // Every command takes -url (or reads SQLBROKER_URL, then DATABASE_URL), -schema and -prefix
 // (the Schema and TablePrefix of the publishers and subscribers), -timeout and -json. The
@@ -58,6 +59,12 @@ const usage = `usage:
   sqlbroker dead-letter redrive DEADTOPIC [-to TOPIC] [-limit N] [-batch N] [-dry-run]
                                                      move them back to the topic each came from
                                                      (or -to), one transaction per batch
+  sqlbroker migrate-watermill-sql TOPIC -group G [-batch N] [-dry-run]
+                                                     copy what watermill-sql's group G has not
+                                                     consumed of TOPIC (table watermill_TOPIC)
+                                                     into TOPIC, in order; PostgreSQL only; a
+                                                     run again resumes (raise -timeout for a
+                                                     large backlog)
 
 common flags (after the command):
   -url URL       database URL (default: $SQLBROKER_URL, then $DATABASE_URL):
@@ -131,6 +138,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 	var at string
 	var dlf dlFlags
 	var keyTable string
+	var mig sqlbroker.MigrateOptions
+	var migGroup string
 	switch cmd {
 	case "inspect":
 		fs.Var(&topics, "topic", "topic to read (repeatable; default: every topic found)")
@@ -143,6 +152,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		fs.StringVar(&at, "time", "", "the first publication time (RFC 3339) the group receives again")
 	case "dead-letter list", "dead-letter redrive", "peek":
 		dlf.register(cmd, fs)
+	case "migrate-watermill-sql":
+		fs.StringVar(&migGroup, "group", "", "watermill-sql consumer group whose unconsumed messages are copied")
+		fs.IntVar(&mig.BatchSize, "batch", sqlbroker.DefaultMigrateBatchSize, "messages per transaction")
+		fs.BoolVar(&mig.DryRun, "dry-run", false, "count what would be copied, change nothing")
+		fs.StringVar(&mig.SourceSchema, "source-schema", "", "PostgreSQL schema of watermill-sql's tables (default: the search_path)")
 	case "schema", "group delete":
 	default:
 		fmt.Fprintf(stderr, "sqlbroker: unknown command %q\n%s", cmd, usage)
@@ -157,13 +171,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		return 2
 	}
 	pos := fs.Args()
-	want := map[string]int{"schema": 1, "group reset": 2, "group delete": 2, "dead-letter list": 1, "dead-letter redrive": 1, "peek": 1}
+	want := map[string]int{"schema": 1, "group reset": 2, "group delete": 2, "dead-letter list": 1, "dead-letter redrive": 1, "peek": 1, "migrate-watermill-sql": 1}
 	if n, ok := want[cmd]; ok && len(pos) != n {
 		fmt.Fprintf(stderr, "sqlbroker %s: want %d arguments, got %d\n%s", cmd, n, len(pos), usage)
 		return 2
 	}
 	if cmd == "inspect" && len(pos) > 0 {
 		fmt.Fprintf(stderr, "sqlbroker inspect: unexpected argument %q (name topics with -topic)\n", pos[0])
+		return 2
+	}
+	if cmd == "migrate-watermill-sql" && migGroup == "" {
+		fmt.Fprintf(stderr, "sqlbroker migrate-watermill-sql: give -group G, the watermill-sql consumer group whose unconsumed messages are copied\n")
 		return 2
 	}
 	if cmd == "retention" && !flagSet(fs, "older-than") {
@@ -301,6 +319,25 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 			return out.encode(map[string]any{"topic": pos[0], "consumer_group": pos[1], "next_offset": first}, stderr, rawURL)
 		}
 		fmt.Fprintf(stdout, "topic %q, consumer group %q: the next message it receives is offset %d\n", pos[0], pos[1], first)
+	case "migrate-watermill-sql":
+		res, err := admin.MigrateWatermillSQL(ctx, pos[0], migGroup, mig)
+		if out.json {
+			if err != nil {
+				return fail(stderr, rawURL, err)
+			}
+			return out.encode(res, stderr, rawURL)
+		}
+		verb := "copied"
+		if mig.DryRun {
+			verb = "would copy"
+		}
+		fmt.Fprintf(stdout, "topic %q, watermill-sql consumer group %q: %s %d messages (%d transactions)\n", pos[0], migGroup, verb, res.Migrated, res.Batches)
+		if res.HeldBack > 0 {
+			fmt.Fprintf(stdout, "%d more are held back by a transaction still running\n", res.HeldBack)
+		}
+		if err != nil {
+			return fail(stderr, rawURL, err)
+		}
 	case "group delete":
 		n, err := admin.DeleteGroup(ctx, pos[0], pos[1])
 		if err != nil {

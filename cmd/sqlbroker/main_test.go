@@ -154,3 +154,16 @@ func TestCommand_inspectNoSuchTopic(t *testing.T) {
 	assert.Contains(t, stderr, `no such topic "nosuch-topic-x"`)
 	assert.NotContains(t, stderr, "does not exist")
 }
+
+// migrate-watermill-sql wants its group, and names watermill-sql's table when it is missing.
+func TestCommand_migrateWatermillSQLErrors(t *testing.T) {
+	t.Parallel()
+	code, _, stderr := sqlbrokerCmd(t, nil, "migrate-watermill-sql", "orders", "-url", testdb.URL())
+	assert.Equal(t, 2, code)
+	assert.Contains(t, stderr, "-group")
+
+	code, _, stderr = sqlbrokerCmd(t, nil, "migrate-watermill-sql", "nosuch-wsql-topic", "-group", "g", "-dry-run", "-url", testdb.URL())
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, `"watermill_nosuch-wsql-topic"`)
+	assert.Contains(t, stderr, "no such table")
+}
