@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
@@ -57,7 +58,8 @@ type MigrateResult struct {
 // would have delivered them, keeping each message's UUID, payload and metadata. Every group
 // of this library then receives them, before the messages published to topic afterwards.
 //
-// Each batch is one transaction that inserts the messages and moves the watermill-sql
+// group is the watermill-sql consumer group as its subscribers named it ("" for its default
+// group). Each batch is one transaction that inserts the messages and moves the watermill-sql
 // group's position past them: a run that is interrupted (a crash, ctx, an error) leaves
 // every message either copied and consumed on the watermill-sql side, or neither, and a run
 // again resumes where it stopped, never copying a message twice. The watermill-sql
@@ -226,10 +228,10 @@ func newWatermillSource(topic, group string, opts MigrateOptions) (watermillSour
 	if err := validateName("topic", topic); err != nil {
 		return watermillSource{}, err
 	}
-	if group == "" || len(group) > 255 {
-		// watermill-sql's consumer_group column is VARCHAR(255); the name is only ever a
-		// bound parameter.
-		return watermillSource{}, &NameError{Field: "consumer group", Value: group, Reason: "must be 1 to 255 characters, as watermill-sql's offsets table holds"}
+	if utf8.RuneCountInString(group) > 255 {
+		// watermill-sql's consumer_group column is VARCHAR(255), and "" is its default group;
+		// the name is only ever a bound parameter.
+		return watermillSource{}, &NameError{Field: "consumer group", Value: group, Reason: "is longer than the 255 characters watermill-sql's offsets table holds"}
 	}
 	if opts.MessagesTable == "" {
 		opts.MessagesTable = "watermill_" + topic

@@ -153,7 +153,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 	case "dead-letter list", "dead-letter redrive", "peek":
 		dlf.register(cmd, fs)
 	case "migrate-watermill-sql":
-		fs.StringVar(&migGroup, "group", "", "watermill-sql consumer group whose unconsumed messages are copied")
+		fs.StringVar(&migGroup, "group", "", "watermill-sql consumer group whose unconsumed messages are copied ('' is its default group)")
 		fs.IntVar(&mig.BatchSize, "batch", sqlbroker.DefaultMigrateBatchSize, "messages per transaction")
 		fs.BoolVar(&mig.DryRun, "dry-run", false, "count what would be copied, change nothing")
 		fs.StringVar(&mig.SourceSchema, "source-schema", "", "PostgreSQL schema of watermill-sql's tables (default: the search_path)")
@@ -180,8 +180,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		fmt.Fprintf(stderr, "sqlbroker inspect: unexpected argument %q (name topics with -topic)\n", pos[0])
 		return 2
 	}
-	if cmd == "migrate-watermill-sql" && migGroup == "" {
-		fmt.Fprintf(stderr, "sqlbroker migrate-watermill-sql: give -group G, the watermill-sql consumer group whose unconsumed messages are copied\n")
+	if cmd == "migrate-watermill-sql" && !flagSet(fs, "group") {
+		fmt.Fprintf(stderr, "sqlbroker migrate-watermill-sql: give -group G, the watermill-sql consumer group whose unconsumed messages are copied (-group '' for its default group)\n")
 		return 2
 	}
 	if cmd == "retention" && !flagSet(fs, "older-than") {
