@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -267,24 +269,43 @@ func (s watermillSource) check(ctx context.Context, q dbx.Querier) error {
 	return nil
 }
 
-// position reads the group's position; with lock, it locks the group's row (watermill-sql's
-// consumers lock it too, for as long as they handle a message) and creates it when missing,
-// as a watermill-sql consumer does before its first read.
+// position reads the group's position; with lock, it locks the group's row, as watermill-sql's
+// consumers do for as long as they handle a batch. A group without a row never subscribed (a
+// watermill-sql subscriber writes it before its first read): most likely a typo, which would
+// copy the whole table, so it is refused, naming the groups there are.
 func (s watermillSource) position(ctx context.Context, q dbx.Querier, lock bool) (watermillPosition, error) {
 	var pos watermillPosition
 	query := `SELECT COALESCE(offset_acked, 0), last_processed_transaction_id::text FROM ` + s.offsets + ` WHERE consumer_group = $1`
 	if lock {
-		if _, err := q.Exec(ctx, `INSERT INTO `+s.offsets+` (consumer_group, offset_acked, last_processed_transaction_id)
-		VALUES ($1, 0, '0') ON CONFLICT DO NOTHING`, s.group); err != nil {
-			return pos, err
-		}
 		query += ` FOR UPDATE`
 	}
 	err := dbx.QueryRow(ctx, q, query, []any{s.group}, &pos.offset, &pos.txID)
-	if errors.Is(err, dbx.ErrNoRows) && !lock {
-		return watermillPosition{offset: 0, txID: "0"}, nil // never consumed: everything is due
+	if !errors.Is(err, dbx.ErrNoRows) {
+		return pos, err
 	}
-	return pos, err
+	rows, err := q.Query(ctx, `SELECT consumer_group FROM `+s.offsets+` ORDER BY consumer_group LIMIT 11`)
+	if err != nil {
+		return pos, err
+	}
+	defer rows.Close()
+	var groups []string
+	for rows.Next() {
+		var g string
+		if err := rows.Scan(&g); err != nil {
+			return pos, err
+		}
+		groups = append(groups, strconv.Quote(g))
+	}
+	if err := rows.Err(); err != nil {
+		return pos, err
+	}
+	if len(groups) > 10 {
+		groups = append(groups[:10], "...")
+	}
+	if len(groups) == 0 {
+		groups = []string{"none"}
+	}
+	return pos, fmt.Errorf("watermill-sql's consumer group %q has no row in %s (groups there: %s)", s.group, s.offsets, strings.Join(groups, ", "))
 }
 
 // count counts the messages after pos: those a batch may copy now, and those a running

@@ -200,3 +200,65 @@ func TestMigrateWatermillSQL_backlogOnceInOrder(t *testing.T) {
 	}
 	assert.Equal(t, want[oldMessages-1].UUID, lastConsumed(), "the old group's position is at the end")
 }
+
+// watermill-sql's default group is the empty name; a group that never subscribed (a typo) is
+// refused, naming the groups there are, and nothing is copied.
+func TestMigrateWatermillSQL_defaultGroupAndUnknownGroup(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool := testdb.Pgx(t)
+	topic := testdb.Topic(t, "")
+	t.Cleanup(func() {
+		_, err := pool.Exec(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS "watermill_%s", "watermill_offsets_%s"`, topic, topic))
+		assert.NoError(t, err)
+	})
+	beginner := wsql.BeginnerFromPgx(pool)
+	schema := wsql.DefaultPostgreSQLSchema{SubscribeBatchSize: 1} // one message per transaction
+	oldPub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{SchemaAdapter: schema, AutoInitializeSchema: true}, nil)
+	require.NoError(t, err)
+	var uuids []string
+	for i := 0; i < 10; i++ {
+		m := message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprintf(`{"i": %d}`, i)))
+		uuids = append(uuids, m.UUID)
+		require.NoError(t, oldPub.Publish(topic, m))
+	}
+	oldSub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
+		SchemaAdapter: schema, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
+	}, nil)
+	require.NoError(t, err)
+	subCtx, stopOld := context.WithCancel(ctx)
+	ch, err := oldSub.Subscribe(subCtx, topic)
+	require.NoError(t, err)
+	for i := 0; i < 3; i++ {
+		testdb.Receive(t, ch, 30*time.Second).Ack()
+	}
+	testdb.Eventually(t, 30*time.Second, "the third ack to be committed", func() bool {
+		var uuid string
+		_ = pool.QueryRow(ctx, fmt.Sprintf(`SELECT m.uuid FROM "watermill_offsets_%[1]s" o JOIN "watermill_%[1]s" m
+			ON m.transaction_id = o.last_processed_transaction_id AND m."offset" = o.offset_acked`, topic)).Scan(&uuid)
+		return uuid == uuids[2]
+	})
+	stopOld()
+	require.NoError(t, oldSub.Close())
+
+	admin, err := sqlbroker.NewAdmin(sqlbroker.Pgx(pool), sqlbroker.AdminConfig{})
+	require.NoError(t, err)
+	_, err = admin.MigrateWatermillSQL(ctx, topic, "bililng", sqlbroker.MigrateOptions{})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), `consumer group "bililng" has no row`)
+	assert.Contains(t, err.Error(), `groups there: ""`)
+
+	res, err := admin.MigrateWatermillSQL(ctx, topic, "", sqlbroker.MigrateOptions{})
+	require.NoError(t, err)
+	assert.Equal(t, int64(7), res.Migrated)
+	sub, err := sqlbroker.NewSubscriber(sqlbroker.Pgx(pool), sqlbroker.SubscriberConfig{MaxInFlight: 1}, nil)
+	require.NoError(t, err)
+	defer sub.Close()
+	newCh, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	for _, want := range uuids[3:] {
+		m := testdb.Receive(t, newCh, 30*time.Second)
+		require.Equal(t, want, m.UUID)
+		m.Ack()
+	}
+}
