@@ -56,8 +56,6 @@ func TestKeyRepositoryChild(t *testing.T) {
 			return err
 		}
 	} else {
-		// The handler's own writes wait for the other process's write lock, as the
-		// library's do.
 		h, err := sql.Open("sqlite", "file:"+where[len("sqlite:"):]+"?_pragma=busy_timeout(10000)")
 		require.NoError(t, err)
 		defer h.Close()
@@ -65,6 +63,23 @@ func TestKeyRepositoryChild(t *testing.T) {
 		record = func(stage string, m *message.Message) error {
 			_, err := h.Exec(insert, name, stage, m.UUID)
 			return err
+		}
+	}
+
+	// The test's own bookkeeping tries again, for a minute at most, when a write fails for
+	// a reason of the moment (on SQLite these writes do not queue with the library's writes
+	// of the process, and the busy handler can let those pass first until its timeout ends;
+	// the shared PostgreSQL server can be out of connections): a handling that was not
+	// recorded would read as a message lost.
+	once := record
+	record = func(stage string, m *message.Message) error {
+		deadline := time.Now().Add(time.Minute)
+		for {
+			err := once(stage, m)
+			if err == nil || time.Now().After(deadline) {
+				return err
+			}
+			time.Sleep(20 * time.Millisecond) // a backoff between tries
 		}
 	}
 
@@ -201,7 +216,9 @@ func TestKeyRepository_deduplicatorAcrossTwoProcesses(t *testing.T) {
 			}
 
 			handled := `SELECT key FROM "` + results + `" WHERE stage = 'handled'`
-			assert.Equal(t, 2*n, count(`SELECT count(*) FROM "`+results+`" WHERE stage = 'seen'`), "each copy reached a Router once")
+			// A copy can reach a Router more than once (a lease that ran out while a slow
+			// handler ran): the Deduplicator drops those too.
+			t.Logf("%d deliveries of %d copies", count(`SELECT count(*) FROM "`+results+`" WHERE stage = 'seen'`), 2*n)
 			assert.Equal(t, n, count(`SELECT count(*) FROM (`+handled+`) h`), "handlings")
 			assert.Equal(t, n, count(`SELECT count(DISTINCT key) FROM (`+handled+`) h`), "distinct keys handled")
 			assert.Zero(t, count(`SELECT count(*) FROM (`+handled+` GROUP BY key HAVING count(*) > 1) h`), "keys handled more than once")
