@@ -25,8 +25,12 @@ import (
 //     process that handled it next recorded, for that offset, a lost claim, a refused
 //     settlement or a settlement not applied, itself explained (it held the message through a
 //     freeze past its lease, say, and its handler ran on after the process woke up, while
-//     another consumer had handled the message meanwhile);
-//   - a refused settlement: a lost claim of that offset in that process, itself explained; the
+//     another consumer had handled the message meanwhile). The two handlings are taken in the
+//     order of their deliveries, by attempt: a killed consumer's record of its handling may be
+//     written after the next delivery's;
+//   - a refused settlement: a lost claim of that offset in that process, itself explained (for
+//     a refusal that says its claim was lost before, the process's latest loss of that offset,
+//     which may precede the handler of a later delivery of the same offset); the
 //     process frozen past its lease; a lease-mode lease that ran out under a table lock (or, on
 //     SQLite, the file's write lock held by a frozen process) held longer than the lease; an advisory-mode settlement after the process's own shutdown
 //     released its lock;
@@ -156,14 +160,38 @@ func (c *checker) loss(e event) (string, bool) {
 
 // lossOf finds the lost claim of e's delivery (same process and offset, after its handler
 // began; the log line may come just after the refusal that read it).
+//
+// A refusal that says its claim was lost before (LostBefore) belongs to a delivery whose loss
+// the process logged, but not necessarily to the delivery whose handler began last: a
+// subscription takes a message again once its own claim of it ran out, and the new delivery's
+// handler may begin before the old delivery's settlement is refused (a nack queued behind a
+// table lock, refused once the lock went). Its loss is then the process's latest for the
+// offset before the refusal (a later delivery's loss comes after the later delivery began, and
+// the later delivery began after the earlier one was lost), or, the log line coming just
+// after the refusal that read it, the first one after.
 func (c *checker) lossOf(e event) (event, bool) {
+	var latest, next event
 	for _, l := range c.events {
-		if l.Proc == e.Proc && l.Offset == e.Offset && (l.Kind == evLeaseLost || l.Kind == evLockLost) &&
-			l.At >= e.Began && l.At <= e.At+int64(time.Second) {
-			return l, true
+		if l.Proc != e.Proc || l.Offset != e.Offset || (l.Kind != evLeaseLost && l.Kind != evLockLost) {
+			continue
+		}
+		if !e.LostBefore {
+			if l.At >= e.Began && l.At <= e.At+int64(time.Second) {
+				return l, true
+			}
+			continue
+		}
+		switch {
+		case l.At <= e.At && e.At-l.At <= int64(30*time.Second) && l.At > latest.At:
+			latest = l
+		case l.At > e.At && l.At <= e.At+int64(time.Second) && (next.At == 0 || l.At < next.At):
+			next = l
 		}
 	}
-	return event{}, false
+	if latest.At != 0 {
+		return latest, true
+	}
+	return next, next.At != 0
 }
 
 func (c *checker) shutdownBefore(proc string, at int64) bool {
@@ -299,6 +327,7 @@ func (c *checker) check(t *testing.T, name, results string) verdict {
 	}
 	for _, u := range order {
 		rs := byUUID[u]
+		orderHandlings(rs)
 		for i := 1; i < len(rs); i++ {
 			v.duplicates++
 			if why, ok := c.duplicate(rs[i-1], rs[i]); ok {
@@ -310,6 +339,21 @@ func (c *checker) check(t *testing.T, name, results string) verdict {
 		}
 	}
 	return v
+}
+
+// orderHandlings puts the handlings of one message in the order of their deliveries: by
+// attempt (every claim of a handled delivery counts one more), then by when they were recorded.
+// The time of a handling is when the database ran its insert, which may come after its
+// process was killed (the statement was on its way) and after the next delivery's handling:
+// ordered by that time, a handling whose consumer was killed before its ack applied would be
+// taken for the later one, and its kill would explain nothing.
+func orderHandlings(rs []resultRow) {
+	sort.SliceStable(rs, func(i, j int) bool {
+		if rs[i].Attempt != rs[j].Attempt {
+			return rs[i].Attempt < rs[j].Attempt
+		}
+		return rs[i].At.Before(rs[j].At)
+	})
 }
 
 // story is the history of one offset: its handlings, the events of every process about it, and
