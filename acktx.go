@@ -55,7 +55,7 @@ func AckInTx(ctx context.Context, tx DB, msg *message.Message) error {
 		return fmt.Errorf("sqlbroker: AckInTx of offset %d: the claim is no longer this delivery's: %w", d.offset, ErrLeaseLost)
 	}
 	d.mu.Lock()
-	d.inTx = true
+	d.ackedInTx = true
 	d.mu.Unlock()
 	return nil
 }
@@ -107,29 +107,30 @@ func StdTxHandler(db *sql.DB, fn func(ctx context.Context, tx *sql.Tx, msg *mess
 // applied (settledInTx). A nack of one is applied as usual, and, refused, means that the
 // caller's commit deleted the claim after all: not stale either. It returns the others, and
 // the acks it took out.
-func (sub *subscription) ackedInTx(op string, sts []settlement) (rest, acked []settlement) {
-	for _, st := range sts {
-		if st.op == op && op == "ack" && st.d.wasAckedInTx() {
-			acked = append(acked, st)
+func (st *settler) ackedInTx(op string, sts []settlement) (rest, acked []settlement) {
+	for _, x := range sts {
+		if x.op == op && op == "ack" && x.d.wasAckedInTx() {
+			acked = append(acked, x)
 			continue
 		}
-		rest = append(rest, st)
+		rest = append(rest, x)
 	}
 	return rest, acked
 }
 
 // settledInTx counts the acks of deliveries acked in the caller's transaction as applied, and
 // drops them from the work set; in advisory mode the caller has dropped their locks first.
-func (sub *subscription) settledInTx(acked []settlement) {
-	for _, st := range acked {
-		sub.forget(st.d)
+func (st *settler) settledInTx(acked []settlement) {
+	sub := st.sub
+	for _, x := range acked {
+		sub.forget(x.d)
 		sub.s.stats.acked.Add(1)
-		sub.logger.Trace("Ack of a message acked in the caller's transaction", watermill.LogFields{"offset": st.d.offset})
+		sub.logger.Trace("Ack of a message acked in the caller's transaction", watermill.LogFields{"offset": x.d.offset})
 	}
 }
 
 func (d *delivery) wasAckedInTx() bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.inTx
+	return d.ackedInTx
 }

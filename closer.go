@@ -158,11 +158,11 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 	// 2. Stop claiming, give back what was not handed out, close the channels. A claim
 	// running, or waiting for a connection, is cancelled on the server and awaited.
 	for _, sub := range subs {
-		sub.cancel(ErrClosed)
+		sub.stop(ErrClosed)
 	}
 	for _, sub := range subs {
 		select {
-		case <-sub.claimDone:
+		case <-sub.handout.ended:
 		case <-ctx.Done():
 			err = ctx.Err()
 		}
@@ -171,7 +171,7 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 	// 3. Let the settlements already made (acked or nacked, not yet applied) reach the
 	// database, so that what is left in work is exactly what no handler has settled.
 	for _, sub := range subs {
-		if werr := sub.waitSettling(ctx); werr != nil && err == nil {
+		if werr := sub.settler.drain(ctx); werr != nil && err == nil {
 			err = werr
 		}
 	}
@@ -179,13 +179,8 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 	// 4. Stop extending leases and waiting for settlements; end the contexts of messages in
 	// work.
 	for _, sub := range subs {
-		close(sub.stopExt)
-		sub.mu.Lock()
-		for _, d := range sub.inWork {
-			rep.DeliveriesInWork++
-			d.cancel(ErrClosed)
-		}
-		sub.mu.Unlock()
+		sub.mode.stopWatching()
+		rep.DeliveriesInWork += sub.work.cancelAll(ErrClosed)
 	}
 
 	// 5. Lease mode: deliveries in work keep their leases (counted once the loops ended).
@@ -194,23 +189,19 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 	//    still in work is released and the lock connections are closed. A settlement that
 	//    comes before Shutdown returns is refused, counted and logged with ErrClosed.
 	for _, sub := range subs {
-		if sub.adv == nil {
-			continue
-		}
-		released, closed, aerr := sub.adv.shutdown(ctx)
+		released, closed, aerr := sub.mode.shutdown(ctx)
 		rep.LocksReleased += released
 		rep.ConnectionsClosed += closed
 		if aerr != nil && err == nil {
 			err = aerr
 		}
-		close(sub.settleQuit) // no settlement is queued any more
 	}
 
 	// 7. Let the loops end while ctx allows; then cancel on the server what still runs, wait
 	// for the server's answers, and for the loops, which have nothing left to wait for.
 	for _, sub := range subs {
 		select {
-		case <-sub.loopsEnded:
+		case <-sub.loops.ended:
 		case <-ctx.Done():
 			if err == nil {
 				err = ctx.Err()
@@ -222,24 +213,23 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 	defer cancelGrace()
 	for _, sub := range subs {
 		select {
-		case <-sub.finished:
+		case <-sub.loops.finished:
 		case <-grace.Done():
 		}
 	}
 
 	for _, sub := range subs {
-		rep.SettlementsNotApplied += int(sub.notApplied.Load())
+		rep.SettlementsNotApplied += int(sub.settler.notApplied.Load())
 		if alone[sub] {
 			continue // what its own stop did is not this shutdown's
 		}
-		rep.ClaimsReleased += int(sub.releasedAtStop.Load())
-		rep.LocksReleased += int(sub.unlockedAtStop.Load())
-		rep.ConnectionsClosed += int(sub.connsClosed.Load())
-		rep.QueriesCancelled += int(sub.lockClaimsCancelled.Load())
-		rep.ClaimStatementsCancelled += int(sub.lockClaimsCancelled.Load())
-		if sub.adv == nil {
-			rep.LeasesLeft += sub.leasesLeft()
-		}
+		stopped := sub.stopReport()
+		rep.ClaimsReleased += stopped.ClaimsReleased
+		rep.LocksReleased += stopped.LocksReleased
+		rep.ConnectionsClosed += stopped.ConnectionsClosed
+		rep.QueriesCancelled += stopped.QueriesCancelled
+		rep.ClaimStatementsCancelled += stopped.ClaimStatementsCancelled
+		rep.LeasesLeft += sub.mode.leasesLeft()
 	}
 	for kind, n := range stop.Cancelled {
 		n -= cancelledBefore[kind]
@@ -275,52 +265,4 @@ func (s *Subscriber) Shutdown(ctx context.Context) (CloseReport, error) {
 	}
 	close(s.done)
 	return rep, err
-}
-
-// leasesLeft is the number of lease-mode deliveries whose leases Shutdown left to run out:
-// those still in work with their lease, and those whose settlement it gave up.
-func (sub *subscription) leasesLeft() int {
-	n := int(sub.notApplied.Load())
-	sub.mu.Lock()
-	defer sub.mu.Unlock()
-	for _, d := range sub.inWork {
-		d.mu.Lock()
-		if !d.lost {
-			n++
-		}
-		d.mu.Unlock()
-	}
-	return n
-}
-
-// waitSettling waits until no delivery in work has been acked or nacked without its
-// settlement being applied yet.
-func (sub *subscription) waitSettling(ctx context.Context) error {
-	t := time.NewTicker(time.Millisecond)
-	defer t.Stop()
-	for {
-		if !sub.settling() {
-			return nil
-		}
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-}
-
-func (sub *subscription) settling() bool {
-	sub.mu.Lock()
-	defer sub.mu.Unlock()
-	for _, d := range sub.inWork {
-		select {
-		case <-d.msg.Acked():
-			return true
-		case <-d.msg.Nacked():
-			return true
-		default:
-		}
-	}
-	return false
 }

@@ -63,52 +63,43 @@ func (s *Subscriber) deadLetterStore(ctx context.Context, topic string) (*offset
 // overAttempts reports whether the delivery d must go to the dead-letter topic rather than
 // back to the group after a nack: its attempt was the MaxAttempts-th, or a later one (a
 // message whose leases were lost, claimed again after its last attempt).
-func (sub *subscription) overAttempts(d *delivery) bool {
-	return sub.dlq != nil && d.attempts >= sub.cfg.MaxAttempts
+func (st *settler) overAttempts(d *delivery) bool {
+	return st.dlq != nil && d.attempts >= st.sub.cfg.MaxAttempts
 }
 
 // deadOnArrival queues for the dead-letter topic a message claimed again after its last
 // attempt (its earlier deliveries lost their claims, their handlers never settled it): it is
-// not handed to a handler. It goes through the settle loop like a nack, which moves it
+// not handed to a handler. It goes through the settler like a nack, which moves it
 // (nackWaits); in advisory mode its lock is dropped afterwards, as for any settlement.
 func (sub *subscription) deadOnArrival(d *delivery) {
-	if a := sub.adv; a != nil {
-		sub.mu.Lock()
-		closed := a.closed
-		if !closed {
-			a.settling.Add(1)
-		}
-		sub.mu.Unlock()
-		if closed {
-			sub.forget(d)
-			return
-		}
+	if !sub.mode.beginSettle() {
+		sub.forget(d)
+		return
 	}
-	d.mu.Lock()
-	d.settling = true
-	d.mu.Unlock()
+	sub.work.settling(d)
 	sub.logger.Info("Message claimed again after its last attempt; moving it to the dead-letter topic",
-		watermill.LogFields{"offset": d.offset, "attempt": d.attempts, "dead_letter_topic": sub.dlq.T.Topic})
-	sub.settleCh <- settlement{d: d, op: "nack"}
+		watermill.LogFields{"offset": d.offset, "attempt": d.attempts, "dead_letter_topic": sub.settler.dlq.T.Topic})
+	sub.settler.enqueue(d, "nack")
 }
 
 // deadLetter moves the fenced claims fs to the dead-letter topic in one statement, and wakes
 // the dead-letter topic's subscribers.
-func (sub *subscription) deadLetter(fs []offsets.Fenced) (map[int64]bool, error) {
+func (st *settler) deadLetter(fs []offsets.Fenced) (map[int64]bool, error) {
+	sub, dlq := st.sub, st.dlq
 	var done map[int64]bool
 	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtNack, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
 		var err error
-		done, err = sub.store.DeadLetter(ctx, q, sub.groupID, sub.cfg.ConsumerGroup, fs, sub.dlq, [2]string{MetadataAttempt, MetadataOffset})
+		done, err = sub.store.DeadLetter(ctx, q, sub.groupID, sub.cfg.ConsumerGroup, fs, dlq, [2]string{MetadataAttempt, MetadataOffset})
 		return err
 	})
 	if err != nil || len(done) == 0 {
 		return done, err
 	}
 	sub.s.stats.deadLettered.Add(int64(len(done)))
-	sub.logger.Info("Moved messages to the dead-letter topic", watermill.LogFields{"count": len(done), "dead_letter_topic": sub.dlq.T.Topic})
-	wake.Notify(sub.dlq.T.Messages)
+	sub.logger.Info("Moved messages to the dead-letter topic", watermill.LogFields{"count": len(done), "dead_letter_topic": dlq.T.Topic})
+	wake.Notify(dlq.T.Messages)
 	_ = sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtNack, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
-		return sub.dlq.Notify(ctx, q, listen.Channel) // a lost one costs a poll elsewhere
+		return dlq.Notify(ctx, q, listen.Channel) // a lost one costs a poll elsewhere
 	})
 	return done, nil
 }

@@ -57,9 +57,9 @@ func (sub *subscription) passDelayed(cs []offsets.Claimed, err error) []offsets.
 	cs, delayed := offsets.Split(cs)
 	if err == nil {
 		for _, at := range delayed {
-			sub.markDue(at)
+			sub.claimer.markDue(at)
 		}
-		sub.passed.Add(int32(len(delayed)))
+		sub.claimer.passed.Add(int32(len(delayed)))
 	}
 	return cs
 }
@@ -74,7 +74,7 @@ const passAfterPassing = 1000
 // claim of this subscription comes due before (a nack's backoff ends, a delayed message's time
 // comes).
 func (sub *subscription) untilDue(idle time.Duration) time.Duration {
-	at := sub.dueAt.first()
+	at := sub.claimer.dueAt.first()
 	if at == 0 {
 		return idle
 	}

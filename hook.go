@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -200,6 +201,12 @@ func (h *RouterHook) isRouterSubscription(ctx context.Context) bool {
 	return ctx.Value(routerSubscription{h}) != nil
 }
 
+// routerState is a subscription's side of a RouterHook.
+type routerState struct {
+	taken atomic.Bool // taken by a handler of a hooked Router
+	alone atomic.Bool // a Router subscription that stopped while the Router ran on
+}
+
 // stoppedAlone reports whether sub, of a hooked subscriber, stopped before the Router's
 // closing and not because of it: a handler stopped alone, or a Subscribe outside the Router
 // whose context ended. What its stop did is then no part of the hook's report.
@@ -207,8 +214,8 @@ func (sub *subscription) stoppedAlone() bool {
 	if sub.s.hook.Load() == nil {
 		return false
 	}
-	if sub.routerSub.Load() {
-		return sub.alone.Load()
+	if sub.router.taken.Load() {
+		return sub.router.alone.Load()
 	}
 	// Outside the Router: its own context ended, not the owner's Close or Shutdown.
 	return sub.ctx.Err() != nil && !errors.Is(context.Cause(sub.ctx), ErrClosed)
@@ -300,11 +307,11 @@ func (h *RouterHook) relay(sub *subscription) <-chan *message.Message {
 	out := make(chan *message.Message)
 	go func() {
 		defer close(out)
-		for msg := range sub.out {
+		for msg := range sub.handout.out {
 			out <- msg // the Router reads its channel until it is closed
 		}
 		if !h.routerClosing() {
-			sub.alone.Store(true) // a handler stopped alone: its channel closes now
+			sub.router.alone.Store(true) // a handler stopped alone: its channel closes now
 			return
 		}
 		h.closeDown()

@@ -12,25 +12,19 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/wake"
 )
 
-// Idle subscriptions on SQLite.
+// Idle subscriptions on SQLite: knowing when to look again.
 //
-// SQLite has no LISTEN: a commit of another process is only seen by looking. Looking is a
-// statement per subscription and poll, which SQLite parses and plans each time; most of an
-// idle subscription's cost. Instead, one connection per pool in this process is held to read
-// PRAGMA data_version every PollInterval: its value changes when another connection (of this
-// process or another) commits to the file, and reading it costs no parse of a query over the
-// topic's tables. A subscription that found nothing then looks again only when the value
-// changed since its last look, when it was woken (a publisher of this process), when one of its
-// own claims came due, or once every IdlePollInterval: a lease of another consumer that ran
-// out commits nothing, so only a look finds it, as the shared poll does on PostgreSQL. While
-// the watch has no connection (the pool is exhausted, or reading failed), every subscription
-// looks every PollInterval, as without it.
+// SQLite has no LISTEN, and a look is a statement SQLite parses and plans each time. So one
+// connection per pool in this process reads PRAGMA data_version every PollInterval (commitWatch):
+// its value changes when any connection, of any process, commits to the file. A subscription
+// whose claim found nothing claims again only when that value changed, when it was woken (a
+// publisher of this process), when one of its own claims came due, or every IdlePollInterval
+// (a lease that ran out commits nothing). Without the watch's connection (pool exhausted, a
+// failed read) every subscription looks every PollInterval.
 //
-// The connection counts against the pool's limit: a pool limited to one connection gets no
-// watch. Nor does the pool of an in-memory database (sqlite::memory:): no other process can
-// commit to it, and its publishers in this process wake its subscriptions themselves, so the
-// watch would only take a connection from a pool that may have one or two. The last subscription of the pool to stop closes it (counted in its CloseReport) and
-// waits for the watch's goroutine.
+// A pool limited to one connection gets no watch, nor does an in-memory database (no other
+// process can commit to it). The last subscription of the pool to stop closes the connection
+// (counted in its CloseReport) and waits for the watch's goroutine.
 
 // commitWatch is the watch of one SQLite pool in this process.
 type commitWatch struct {
@@ -182,8 +176,8 @@ func (w *commitWatch) run(ctx context.Context) {
 	}
 }
 
-// sqliteIdle is a SQLite subscription's side of the watch; the claim loop alone uses it.
-type sqliteIdle struct {
+// sqliteWatching is a SQLite subscription's side of the watch; the claim loop alone uses it.
+type sqliteWatching struct {
 	watch    *commitWatch
 	seenGen  uint64    // the watch's gen before the last look
 	lastLook time.Time // when the last look ran
@@ -193,12 +187,12 @@ type sqliteIdle struct {
 // lookNeeded says whether the claim loop must run its claim now, or may take it that nothing
 // changed since the last one found nothing.
 func (sub *subscription) lookNeeded(now time.Time) bool {
-	st := &sub.sqliteIdle
+	st := &sub.claimer.sqlite
 	w := st.watch
 	if w == nil || st.mustLook || !w.watching.Load() || w.gen.Load() != st.seenGen {
 		return true
 	}
-	if at := sub.dueAt.first(); at != 0 && now.UnixNano() >= at {
+	if at := sub.claimer.dueAt.first(); at != 0 && now.UnixNano() >= at {
 		return true
 	}
 	return now.Sub(st.lastLook) >= sub.cfg.IdlePollInterval
@@ -206,7 +200,7 @@ func (sub *subscription) lookNeeded(now time.Time) bool {
 
 // looking notes a look that starts now.
 func (sub *subscription) looking(now time.Time) {
-	st := &sub.sqliteIdle
+	st := &sub.claimer.sqlite
 	if st.watch != nil {
 		st.seenGen = st.watch.gen.Load()
 	}

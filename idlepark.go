@@ -14,19 +14,18 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
 )
 
-// Idle subscriptions.
+// Idle subscriptions: parking while there is nothing to claim (PostgreSQL; on SQLite see
+// idlepark_sqlite.go).
 //
-// A subscription whose claim found nothing parks: it sleeps until a publisher of this process
-// or a NOTIFY wakes its topic, until one of its own claims comes due (dueAt: a nack's backoff,
-// a lost lease, the time of a delayed message its claims passed), until the poll shared by
-// the subscriptions of its pool in this process finds work for it, or until its own safety
-// poll (idleSafetyPolls IdlePollIntervals). The shared
-// poll is what finds the work nobody announces: a lease of another consumer that ran out, a
-// message the xmin horizon still held back when its notification came, a message written
-// without NOTIFY, in the advisory mode a claim whose holder let go without settling it. It
-// runs one statement for up to pollChunk subscriptions, every IdlePollInterval while the
-// pool's LISTEN connection listens, every PollInterval while it does not (database/sql
-// cannot listen), and only for chunks that hold a parked subscription.
+// A subscription whose claim found nothing parks until one of: a publisher of this process or
+// a NOTIFY wakes its topic; one of its own claims comes due (dueAt); the poll shared by the
+// subscriptions of its pool in this process finds work for it; its own safety poll
+// (idleSafetyPolls IdlePollIntervals). The shared poll finds the work nobody announces: a
+// lease of another consumer that ran out, a message the xmin horizon held back when its
+// notification came, a message written without NOTIFY, in advisory mode a claim whose holder
+// let go. It runs one statement for up to pollChunk subscriptions, only for chunks holding a
+// parked one, every IdlePollInterval while the pool's LISTEN connection listens and every
+// PollInterval while it does not (database/sql cannot listen).
 
 // pollChunk is how many subscriptions one statement of the shared poll covers.
 const pollChunk = 64
@@ -43,20 +42,16 @@ const pollLimit = time.Second
 // stmtIdlePoll is the kind of the shared poll's statements in its tracker.
 const stmtIdlePoll = "idle-poll"
 
-// idleState is the subscription's side of parking.
-type idleState struct {
+// parking is the claim loop's side of parking.
+type parking struct {
 	entry   *pollEntry    // set by the claim loop while it runs
 	duePoke chan struct{} // markDue: a parked claim loop looks at dueAt again
-}
-
-func (sub *subscription) initIdle() {
-	sub.idle.duePoke = make(chan struct{}, 1)
 }
 
 // pokeDue tells a parked claim loop that dueAt changed.
 func (sub *subscription) pokeDue() {
 	select {
-	case sub.idle.duePoke <- struct{}{}:
+	case sub.claimer.park.duePoke <- struct{}{}:
 	default:
 	}
 }
@@ -64,19 +59,19 @@ func (sub *subscription) pokeDue() {
 // joinIdlePoll registers the subscription with its pool's shared poll; the claim loop calls
 // the returned leave when it ends, which stops the poll if this was its last subscription.
 // On SQLite a subscription does not park: there is no LISTEN to wake it from another process,
-// and it joins its pool's watch of commits instead (sqlitewatch.go).
+// and it joins its pool's watch of commits instead (idlepark_sqlite.go).
 func (sub *subscription) joinIdlePoll() (leave func()) {
 	if sub.store.T.IsSQLite() {
 		w, leaveWatch := joinCommitWatch(sub)
-		sub.sqliteIdle.watch = w
+		sub.claimer.sqlite.watch = w
 		return func() {
 			if leaveWatch() {
-				sub.connsClosed.Add(1)
+				sub.atStop.connsClosed.Add(1)
 			}
 		}
 	}
 	p, e := acquirePoller(sub.s.db, sub)
-	sub.idle.entry = e
+	sub.claimer.park.entry = e
 	return func() { p.leave(e) }
 }
 
@@ -84,7 +79,7 @@ func (sub *subscription) joinIdlePoll() (leave func()) {
 // NOTIFY woke the topic (the claim that follows may then find nothing while the xmin horizon
 // holds the message back, and is tried again soon).
 func (sub *subscription) park() (goOn, woken bool) {
-	e := sub.idle.entry
+	e := sub.claimer.park.entry
 	e.setParked(true)
 	defer e.setParked(false)
 	// Spread over ±25%, so that subscriptions that parked together do not claim together.
@@ -96,7 +91,7 @@ func (sub *subscription) park() (goOn, woken bool) {
 	for {
 		due.Stop()
 		var dueC <-chan time.Time
-		if at := sub.dueAt.first(); at != 0 {
+		if at := sub.claimer.dueAt.first(); at != 0 {
 			d := time.Until(time.Unix(0, at))
 			if d <= 0 {
 				return true, false
@@ -105,14 +100,12 @@ func (sub *subscription) park() (goOn, woken bool) {
 			dueC = due.C
 		}
 		select {
-		case <-sub.woken:
+		case <-sub.claimer.woken:
 			return true, true
 		case <-e.poke:
-			if sub.adv != nil {
-				sub.adv.lastRescue = time.Time{} // a claim may have lost its holder: look now
-			}
+			sub.mode.woken() // in advisory mode a claim may have lost its holder: look now
 			return true, false
-		case <-sub.idle.duePoke:
+		case <-sub.claimer.park.duePoke:
 		case <-dueC:
 			return true, false
 		case <-safety.C:
@@ -311,8 +304,8 @@ func (p *idlePoller) pollOnce() {
 		if c.adv {
 			held := make([]int64, len(c.slots))
 			for i, e := range c.slots {
-				if e != nil && e.sub.adv != nil {
-					held[i] = int64(e.sub.adv.locksHeld())
+				if e != nil {
+					held[i] = int64(e.sub.mode.locksHeld())
 				}
 			}
 			if p.pool.Driver() == "database/sql" {
@@ -387,7 +380,7 @@ func chunkSQL(slots []*pollEntry, held []int64) (string, bool) {
 		WHERE (nx."xid", nx."offset") > ((SELECT "last_xid" FROM %[4]s WHERE "group_id" = %[5]d), (SELECT "last_offset" FROM %[4]s WHERE "group_id" = %[5]d))
 		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot())
 		ORDER BY nx."xid", nx."offset" LIMIT 1) IS NOT NULL`, i, t.Claims, t.Messages, t.Groups, g)
-		if e.sub.adv != nil {
+		if e.sub.mode.holdsLocks() {
 			adv = true
 			n := fmt.Sprintf("($1::bigint[])[%d]", i+1)
 			if held != nil {

@@ -43,7 +43,7 @@ import (
 //   - The lock connection failing frees its locks: the deliveries it held lose their claim,
 //     their contexts are cancelled with ErrLeaseLost, their settlements are refused as stale,
 //     and the connection is opened again (A3).
-type advisoryState struct {
+type advisoryMode struct {
 	sub  *subscription
 	conn *advisory.Conn
 	key1 int32
@@ -52,23 +52,22 @@ type advisoryState struct {
 	lastRescue  time.Time // claim loop only
 	rescueAfter int64     // claim loop only: where the walk for orphans goes on
 	settling    sync.WaitGroup
-	closed      bool          // guarded by sub.mu: Shutdown released the locks; settlements are refused
-	released    chan struct{} // closed by Shutdown once the locks of deliveries in work are released
-	idle        chan struct{} // closed when the subscription stopped and every settlement is done
+
+	mu       sync.Mutex
+	closed   bool          // guarded by mu: Shutdown released the locks; settlements are refused
+	released chan struct{} // closed by Shutdown once the locks of deliveries in work are released
+
+	idleCh      chan struct{} // closed when the subscription stopped and every settlement is done
 	shutdownOne sync.Once
 }
 
-// openAdvisory opens the subscription's lock connection (advisory mode only). ctx bounds the
-// connect.
-func (sub *subscription) openAdvisory(ctx context.Context) error {
-	if sub.cfg.ClaimMode != ClaimAdvisoryLock {
-		return nil
-	}
-	a := &advisoryState{
+// openAdvisory opens the subscription's lock connection. ctx bounds the connect.
+func openAdvisory(ctx context.Context, sub *subscription) (*advisoryMode, error) {
+	a := &advisoryMode{
 		sub:      sub,
 		key1:     advisory.Key1(sub.store.T.Messages, sub.cfg.ConsumerGroup),
 		released: make(chan struct{}),
-		idle:     make(chan struct{}),
+		idleCh:   make(chan struct{}),
 	}
 	conn, err := advisory.Open(ctx, sub.s.db, advisory.Options{
 		Key1:          a.key1,
@@ -79,23 +78,34 @@ func (sub *subscription) openAdvisory(ctx context.Context) error {
 		Logger:        sub.logger,
 	})
 	if err != nil {
-		return err
+		return nil, err
 	}
 	a.conn = conn
-	sub.adv = a
-	return nil
+	return a, nil
 }
+
+func (a *advisoryMode) idle() <-chan struct{} { return a.idleCh }
+func (a *advisoryMode) expires() bool         { return false }
+func (a *advisoryMode) holdsLocks() bool      { return true }
+func (a *advisoryMode) lostField() string     { return "lock_lost_before" }
+func (a *advisoryMode) stopWatching()         {} // the awaits end on released (step 6)
+func (a *advisoryMode) leasesLeft() int       { return 0 }
+func (a *advisoryMode) abandon()              { a.conn.Close() }
+func (a *advisoryMode) settled(n int)         { a.settling.Add(-n) }
+
+// woken: the idle poll found work, and a claim may have lost its holder: look for orphans now.
+func (a *advisoryMode) woken() { a.lastRescue = time.Time{} }
 
 // run watches the lock connection (A3) until the subscription has stopped and every
 // settlement is done, or Shutdown closed the connection; then it closes the connection.
-func (a *advisoryState) run() {
+func (a *advisoryMode) run() {
 	go func() {
-		<-a.sub.claimDone
-		a.sub.awaits.Wait()
+		<-a.sub.handout.ended
+		a.sub.settler.producers.Wait()
 		a.settling.Wait()
-		close(a.idle)
+		close(a.idleCh)
 	}()
-	a.conn.Run(a.idle)
+	a.conn.Run(a.idleCh)
 	select {
 	case <-a.sub.s.shutdown:
 		// Shutdown releases what is left and closes the connection, and counts both (S9).
@@ -103,35 +113,21 @@ func (a *advisoryState) run() {
 	default:
 		// The subscription stopped by itself and nothing is held any more.
 		if _, closed := a.conn.Close(); closed {
-			a.sub.connsClosed.Add(1)
+			a.sub.atStop.connsClosed.Add(1)
 		}
 	}
 }
 
-func (a *advisoryState) locksHeld() int { return a.conn.Held() }
+func (a *advisoryMode) locksHeld() int { return a.conn.Held() }
 
 // lost is called by the lock connection with the offsets whose locks went with it.
-func (a *advisoryState) lost(offs []int64) {
-	a.sub.mu.Lock()
-	ds := make([]*delivery, 0, len(offs))
-	for _, o := range offs {
-		if d := a.sub.inWork[o]; d != nil {
-			ds = append(ds, d)
-		}
-	}
-	a.sub.mu.Unlock()
-	a.lose(ds)
-}
+func (a *advisoryMode) lost(offs []int64) { a.lose(a.sub.work.lookup(offs)) }
 
 // lose marks deliveries whose locks are gone: their contexts end with ErrLeaseLost, their
 // settlements will be refused (A3).
-func (a *advisoryState) lose(ds []*delivery) {
+func (a *advisoryMode) lose(ds []*delivery) {
 	for _, d := range ds {
-		d.mu.Lock()
-		was := d.lost
-		d.lost = true
-		d.mu.Unlock()
-		if was {
+		if !a.sub.work.lose(d) {
 			continue
 		}
 		a.sub.s.stats.leasesLost.Add(1)
@@ -142,7 +138,7 @@ func (a *advisoryState) lose(ds []*delivery) {
 
 // registered is called by handOut once the deliveries of a round are in the work set: a lock
 // connection lost since the round took its locks lost them too.
-func (a *advisoryState) registered(ds []*delivery) {
+func (a *advisoryMode) registered(ds []*delivery) {
 	for _, d := range ds {
 		d.gen = a.roundGen
 	}
@@ -154,7 +150,7 @@ func (a *advisoryState) registered(ds []*delivery) {
 // claim is the advisory claim round: orphans first, then claims due again and new messages.
 // A round that finds the lock connection gone while it held no lock (an idle connection is
 // pinged rarely) runs once more at once, on the connection opened again: nothing was lost.
-func (a *advisoryState) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
+func (a *advisoryMode) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
 	held, gen := a.conn.Held(), a.conn.Gen()
 	out, token, err := a.claimRound(buf, n, due)
 	if err != nil && held == 0 && a.conn.Gen() != gen && a.sub.ctx.Err() == nil {
@@ -164,7 +160,7 @@ func (a *advisoryState) claim(buf []offsets.Claimed, n int, due bool) ([]offsets
 	return out, token, err
 }
 
-func (a *advisoryState) claimRound(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
+func (a *advisoryMode) claimRound(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
 	sub := a.sub
 	if err := sub.ctx.Err(); err != nil {
 		return buf[:0], 0, err // stopping: claim nothing only to give it back
@@ -206,14 +202,9 @@ const rescuePage = 256
 // rescue takes over up to n orphaned claims (A2): it walks the group's claims held by a lock,
 // a page a round, tries the locks of exactly those offsets, and adopts the rows whose lock it
 // got and that still read as held once the lock is ours (A4).
-func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]offsets.Claimed, error) {
+func (a *advisoryMode) rescue(buf []offsets.Claimed, n int, token int64) ([]offsets.Claimed, error) {
 	sub := a.sub
-	sub.mu.Lock()
-	skip := make([]int64, 0, len(sub.inWork))
-	for o := range sub.inWork {
-		skip = append(skip, o)
-	}
-	sub.mu.Unlock()
+	skip := sub.work.offsets()
 	var cands []int64
 	err := a.conn.Query(sub.ctx, func(ctx context.Context, q dbx.Querier) error {
 		var err error
@@ -236,7 +227,7 @@ func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]off
 		return buf, a.claimError(err)
 	}
 	if len(locked) > n {
-		a.unlock(locked[n:], gen) // no room for them this round
+		a.unlockGen(locked[n:], gen) // no room for them this round
 		locked = locked[:n]
 	}
 	// A takeover cancelled as the subscription stops changes no row: the locks go back.
@@ -247,7 +238,7 @@ func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]off
 		return err
 	})
 	if err != nil {
-		a.unlock(locked, gen)
+		a.unlockGen(locked, gen)
 		return buf[:0], a.claimError(err)
 	}
 	if len(got) < len(locked) {
@@ -261,7 +252,7 @@ func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]off
 				drop = append(drop, o)
 			}
 		}
-		a.unlock(drop, gen) // settled meanwhile (A4)
+		a.unlockGen(drop, gen) // settled meanwhile (A4)
 	}
 	if len(got) > 0 {
 		a.roundGen = gen
@@ -272,13 +263,13 @@ func (a *advisoryState) rescue(buf []offsets.Claimed, n int, token int64) ([]off
 
 // claimNew claims due and new messages on the lock connection, taking their locks in the
 // statement that claims them.
-func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64, due bool) ([]offsets.Claimed, uint64, error) {
+func (a *advisoryMode) claimNew(buf []offsets.Claimed, n int, token int64, due bool) ([]offsets.Claimed, uint64, error) {
 	sub := a.sub
 	start := len(buf)
 	out := buf
 	gen, err := a.conn.Claim(sub.ctx, func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error) {
 		var err error
-		out, err = sub.store.ClaimLockedPassing(ctx, q, sub.groupID, token, n, sub.passRoom, a.key1, held, due, buf)
+		out, err = sub.store.ClaimLockedPassing(ctx, q, sub.groupID, token, n, sub.claimer.passRoom, a.key1, held, due, buf)
 		if err != nil {
 			return nil, err
 		}
@@ -297,12 +288,12 @@ func (a *advisoryState) claimNew(buf []offsets.Claimed, n int, token int64, due 
 
 // claimError counts a statement of the claim round that the server cancelled as the
 // subscription stopped (Shutdown reports it), and says what a lock wait that ran out means.
-func (a *advisoryState) claimError(err error) error {
+func (a *advisoryMode) claimError(err error) error {
 	switch {
 	case err == nil:
 		return nil
 	case errors.Is(err, advisory.ErrCancelled):
-		a.sub.lockClaimsCancelled.Add(1)
+		a.sub.atStop.lockClaimsCancelled.Add(1)
 	case dbx.SQLState(err) == dbx.CodeLockNotAvailable:
 		return fmt.Errorf("the claim waited longer than LockWaitTimeout (%s) for a lock another session holds on the topic's tables (a migration's table lock?); "+
 			"it took nothing, and the deliveries in work keep their locks: %w", a.sub.cfg.LockWaitTimeout, err)
@@ -311,7 +302,7 @@ func (a *advisoryState) claimError(err error) error {
 }
 
 // giveBackNow releases claims of this round, locked under gen, that will not be handed out.
-func (a *advisoryState) giveBackNow(cs []offsets.Claimed, token int64, gen uint64) {
+func (a *advisoryMode) giveBackNow(cs []offsets.Claimed, token int64, gen uint64) {
 	if len(cs) == 0 {
 		return
 	}
@@ -322,7 +313,8 @@ func (a *advisoryState) giveBackNow(cs []offsets.Claimed, token int64, gen uint6
 // those of ds), then drops their locks (M5), each under the lock generation of the round that
 // took it: claims held ahead may come from several rounds. What it released and unlocked is
 // counted for Shutdown's report.
-func (a *advisoryState) release(ds []*delivery, fs []offsets.Fenced) {
+func (a *advisoryMode) release(ds []*delivery) {
+	fs := fenced(ds)
 	var gens []uint64
 	byGen := map[uint64][]offsets.Fenced{}
 	for i, d := range ds {
@@ -333,28 +325,28 @@ func (a *advisoryState) release(ds []*delivery, fs []offsets.Fenced) {
 	}
 	for _, gen := range gens {
 		released, unlocked := a.releaseGen(byGen[gen], gen)
-		a.sub.releasedAtStop.Add(int64(released))
-		a.sub.unlockedAtStop.Add(int64(unlocked))
+		a.sub.atStop.released.Add(int64(released))
+		a.sub.atStop.unlocked.Add(int64(unlocked))
 	}
 }
 
 // releaseGen makes the claims fs, locked under gen, visible again at once, then drops their
 // locks; it returns how many rows it released and how many locks it dropped.
-func (a *advisoryState) releaseGen(fs []offsets.Fenced, gen uint64) (released, unlocked int) {
+func (a *advisoryMode) releaseGen(fs []offsets.Fenced, gen uint64) (released, unlocked int) {
 	released, ok := a.sub.releaseRows(fs, "Releasing undelivered claims failed; unlocking them, the group takes them over")
 	if ok {
-		a.sub.markDue(time.Now())
+		a.sub.claimer.markDue(time.Now())
 	}
 	offs := make([]int64, len(fs))
 	for i, f := range fs {
 		offs[i] = f.Offset
 	}
-	return released, a.unlock(offs, gen)
+	return released, a.unlockGen(offs, gen)
 }
 
-// unlock drops locks of gen and returns how many it dropped; a failure loses the connection,
+// unlockGen drops locks of gen and returns how many it dropped; a failure loses the connection,
 // which frees them anyway.
-func (a *advisoryState) unlock(offs []int64, gen uint64) int {
+func (a *advisoryMode) unlockGen(offs []int64, gen uint64) int {
 	if len(offs) == 0 {
 		return 0
 	}
@@ -365,159 +357,104 @@ func (a *advisoryState) unlock(offs []int64, gen uint64) int {
 	return n
 }
 
-// await waits for the handler's ack or nack and queues it for the settle loop, unless
-// Shutdown released the locks first (S5).
-func (a *advisoryState) await(d *delivery) {
+// await waits for the handler's ack or nack and queues it for the settler, unless Shutdown
+// released the locks first (S5). The delivery keeps its slot and held token until its
+// settlement is done.
+func (a *advisoryMode) await(d *delivery) {
 	sub := a.sub
-	defer sub.awaits.Done()
+	defer sub.settler.producers.Done()
 	op := outcome(d, a.released)
 	if op == "" {
 		a.awaitLate(d)
 		return
 	}
-	sub.mu.Lock()
-	closed := a.closed
-	if !closed {
-		a.settling.Add(1)
-		d.mu.Lock()
-		d.settling = true
-		d.mu.Unlock()
-	}
-	sub.mu.Unlock()
-	if closed {
-		a.refuseClosed(d, op)
+	if !a.beginSettle() {
+		sub.settler.stale(d, op, "Settlement after shutdown refused", true, nil)
 		sub.forget(d)
 		return
 	}
-	sub.settleCh <- settlement{d: d, op: op}
+	sub.work.settling(d)
+	sub.settler.enqueue(d, op)
+}
+
+// beginSettle counts a settlement in flight, unless Shutdown released the locks.
+func (a *advisoryMode) beginSettle() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return false
+	}
+	a.settling.Add(1)
+	return true
 }
 
 // awaitLate refuses and reports the settlement of a delivery whose lock Shutdown released,
 // if it comes before Shutdown has finished; nothing of the subscription waits for it after
-// that (a settlement made later is not applied and not seen).
-func (a *advisoryState) awaitLate(d *delivery) {
-	if op := outcome(d, a.sub.settleQuit); op != "" {
-		a.refuseClosed(d, op)
+// that (a settlement made later is not applied and not seen). It is not applied, and the
+// message may already be with another consumer (S5).
+func (a *advisoryMode) awaitLate(d *delivery) {
+	if op := outcome(d, a.sub.settler.quit); op != "" {
+		a.sub.settler.stale(d, op, "Settlement after shutdown refused", true, nil)
 	}
 	a.sub.forget(d)
 }
 
-// refuseClosed counts and logs a settlement that came after Shutdown released its lock: it is
-// not applied, and the message may already be with another consumer (S5).
-func (a *advisoryState) refuseClosed(d *delivery, op string) {
-	sub := a.sub
-	sub.s.stats.stale.Add(1)
-	serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: d.offset, Op: op}
-	sub.logStale("Settlement after shutdown refused", fmt.Errorf("%w: %w", ErrClosed, serr), nil)
+// admit refuses, without a statement, the settlement of a delivery whose lock is gone: lost
+// with its connection (A3), or released by Shutdown (S5).
+func (a *advisoryMode) admit(x settlement) bool {
+	lost := x.d.isLost()
+	if !lost && !a.locksReleased() {
+		return true
+	}
+	switch {
+	case !x.d.wasAckedInTx() && lost:
+		a.sub.settler.stale(x.d, x.op, "Settlement refused: the advisory lock was lost", false, nil)
+	case !x.d.wasAckedInTx():
+		a.sub.settler.stale(x.d, x.op, "Settlement refused", true, nil)
+	default:
+		// A nack after AckInTx whose lock is gone: the caller rolled back (the message is
+		// another consumer's now) or committed (it is settled); not stale either way.
+	}
+	a.sub.forget(x.d)
+	a.settling.Done()
+	return false
 }
 
-// apply is subscription.apply for the advisory mode: settle in the database, fenced by the
-// token, then unlock. A delivery whose lock was lost is refused without a statement (A3).
-func (a *advisoryState) apply(op string, sts []settlement) []settlement {
-	sub := a.sub
-	sts, inTx := sub.ackedInTx(op, sts)
-	if len(inTx) > 0 {
-		byGen := map[uint64][]int64{}
-		for _, st := range inTx {
-			byGen[st.d.gen] = append(byGen[st.d.gen], st.d.offset)
-		}
-		for gen, offs := range byGen {
-			a.unlock(offs, gen) // the caller's commit deleted the claims: their locks go
-		}
-		sub.settledInTx(inTx)
-		for range inTx {
-			a.settling.Done()
-		}
-	}
-	var these []settlement
-	var fs []offsets.Fenced
-	for _, st := range sts {
-		if st.op != op {
-			continue
-		}
-		st.d.mu.Lock()
-		lost := st.d.lost
-		st.d.mu.Unlock()
-		if (lost || a.locksReleased()) && !st.d.wasAckedInTx() {
-			a.refuse(st, lost)
-			continue
-		}
-		if lost || a.locksReleased() {
-			// A nack after AckInTx whose lock is gone: the caller rolled back (the message is
-			// another consumer's now) or committed (it is settled); not stale either way.
-			sub.forget(st.d)
-			a.settling.Done()
-			continue
-		}
-		these = append(these, st)
-		fs = append(fs, offsets.Fenced{Offset: st.d.offset, Token: st.d.token})
-	}
-	if len(fs) == 0 {
-		return nil
-	}
-	done, err := sub.settleStatement(op, fs, sub.nackWaits(these))
-	if err != nil {
-		sub.s.stats.errors.Add(1)
-		sub.logger.Error("Settlement failed, retrying while the lock holds", err, watermill.LogFields{"op": op, "count": len(these)})
-		return these // apply refuses them once their lock is gone
-	}
+// unlock drops the locks of settlements whose statement ran (or that the caller's commit
+// settled), each under the generation of the round that took it.
+func (a *advisoryMode) unlock(sts []settlement) {
 	byGen := map[uint64][]int64{}
-	lostBefore := make([]bool, len(these)) // read before the unlock, which may lose the connection
-	for i, st := range these {
-		byGen[st.d.gen] = append(byGen[st.d.gen], st.d.offset)
-		st.d.mu.Lock()
-		lostBefore[i] = st.d.lost
-		st.d.mu.Unlock()
+	for _, x := range sts {
+		byGen[x.d.gen] = append(byGen[x.d.gen], x.d.offset)
 	}
 	for gen, offs := range byGen {
-		a.unlock(offs, gen)
+		a.unlockGen(offs, gen)
 	}
-	// Counted once the locks are dropped: Stats never shows a settlement whose lock is held.
-	for i, st := range these {
-		if done[st.d.offset] {
-			if op == "ack" {
-				sub.s.stats.acked.Add(1)
-			} else {
-				sub.s.stats.nacked.Add(1)
-			}
-		} else if st.d.wasAckedInTx() {
-			sub.s.stats.acked.Add(1) // the caller's transaction acked it and committed
-		} else {
-			// The row no longer carries this delivery's token although its lock was held.
-			sub.s.stats.stale.Add(1)
-			serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: st.d.offset, Op: op}
-			sub.logStale("Settlement refused", serr, watermill.LogFields{"lock_lost_before": lostBefore[i]})
-		}
-		sub.forget(st.d)
-		a.settling.Done()
-	}
-	return nil
 }
 
-// refuse drops a settlement of a delivery whose lock is gone: lost with its connection (A3),
-// or released by Shutdown (S5).
-func (a *advisoryState) refuse(st settlement, lost bool) {
-	sub := a.sub
-	sub.s.stats.stale.Add(1)
-	serr := &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: st.d.offset, Op: st.op}
-	if lost {
-		sub.logStale("Settlement refused: the advisory lock was lost", serr, nil)
-	} else {
-		sub.logStale("Settlement refused", fmt.Errorf("%w: %w", ErrClosed, serr), nil)
+// failed: the settlements are retried while their locks hold; admit refuses them once their
+// lock is gone.
+func (a *advisoryMode) failed(op string, these []settlement, _ map[int64]bool, err error) []settlement {
+	a.sub.s.stats.errors.Add(1)
+	a.sub.logger.Error("Settlement failed, retrying while the lock holds", err, watermill.LogFields{"op": op, "count": len(these)})
+	return these
+}
+
+// giveUp: Shutdown has released their locks, and they are refused as such.
+func (a *advisoryMode) giveUp(sts []settlement) {
+	for _, op := range [...]string{"ack", "nack"} {
+		a.sub.settler.apply(op, sts)
 	}
-	sub.forget(st.d)
-	a.settling.Done()
 }
 
 // shutdown is the advisory part of Shutdown (S5): refuse new settlements, wait for those in
 // flight, then release the lock of every delivery still in work and close the lock
 // connection. It returns the locks it released and the connections it closed.
-func (a *advisoryState) shutdown(ctx context.Context) (released, closed int, err error) {
+func (a *advisoryMode) shutdown(ctx context.Context) (released, closed int, err error) {
 	a.shutdownOne.Do(func() {
-		sub := a.sub
-		sub.mu.Lock()
+		a.mu.Lock()
 		a.closed = true
-		sub.mu.Unlock()
+		a.mu.Unlock()
 
 		settled := make(chan struct{})
 		go func() {
@@ -539,12 +476,13 @@ func (a *advisoryState) shutdown(ctx context.Context) (released, closed int, err
 			err = cerr
 		}
 		close(a.released)
+		a.sub.settler.stopQueue() // no settlement is queued any more
 	})
 	return released, closed, err
 }
 
 // locksReleased reports whether Shutdown released the locks of the deliveries in work.
-func (a *advisoryState) locksReleased() bool {
+func (a *advisoryMode) locksReleased() bool {
 	select {
 	case <-a.released:
 		return true

@@ -1,0 +1,317 @@
+package sqlbroker
+
+import (
+	"context"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
+)
+
+// leaseMode is the lease claim mode (ClaimLease): a claim is held by its lease (visible_at and
+// the token on its claim row), which the extender (run) keeps moving while the message is in
+// work. A claim released is made visible again, fenced by its token.
+type leaseMode struct {
+	sub *subscription
+	// stop is closed by Shutdown (step 4): lease extension stops, and so does the wait for
+	// the settlements of deliveries in work.
+	stop     chan struct{}
+	stopOnce sync.Once
+}
+
+func newLeaseMode(sub *subscription) *leaseMode {
+	return &leaseMode{sub: sub, stop: make(chan struct{})}
+}
+
+var closedChan = func() chan struct{} {
+	c := make(chan struct{})
+	close(c)
+	return c
+}()
+
+func (l *leaseMode) idle() <-chan struct{}  { return closedChan }
+func (l *leaseMode) expires() bool          { return true }
+func (l *leaseMode) woken()                 {}
+func (l *leaseMode) holdsLocks() bool       { return false }
+func (l *leaseMode) locksHeld() int         { return 0 }
+func (l *leaseMode) registered([]*delivery) {}
+func (l *leaseMode) beginSettle() bool      { return true }
+func (l *leaseMode) admit(settlement) bool  { return true }
+func (l *leaseMode) unlock([]settlement)    {}
+func (l *leaseMode) settled(int)            {}
+func (l *leaseMode) lostField() string      { return "lease_lost_before" }
+func (l *leaseMode) stopWatching()          { l.stopOnce.Do(func() { close(l.stop) }) }
+func (l *leaseMode) abandon()               {}
+func (l *leaseMode) shutdown(context.Context) (int, int, error) {
+	return 0, 0, nil // the leases of deliveries in work are left to run out (step 5)
+}
+
+// leasesLeft is the number of deliveries whose leases Shutdown left to run out: those still in
+// work with their lease, and those whose settlement it gave up.
+func (l *leaseMode) leasesLeft() int {
+	return int(l.sub.settler.notApplied.Load()) + l.sub.work.notLost()
+}
+
+// claim takes up to n messages in one short statement: no transaction is left open.
+//
+// The statement runs through the subscriber's tracker, never under the subscription's context
+// directly: a context cancelled in the middle of a query makes the driver return at once while
+// the server may still be running it (pgx then closes the socket in the background), so the
+// caller's error is not the server's word. When the subscription stops during a claim (or
+// while it waits for a connection of an exhausted pool), the server is asked to cancel that
+// very statement, and the claim returns only once the server has ended it and rolled it back
+// (S3, S11).
+func (l *leaseMode) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
+	sub := l.sub
+	token := rand.Int64N(1<<62) + 1
+	if sub.ctx.Err() != nil {
+		return nil, 0, sub.ctx.Err()
+	}
+	var pid uint32
+	claimed := buf
+	err := sub.s.tracker.RunConn(sub.ctx, stmtClaim, claimTimeout, func(ctx context.Context, conn dbx.Conn) error {
+		// Known without a round trip on pgx, and asked once per connection on database/sql;
+		// 0 if it cannot be had. dropUnsure needs it after the connection is gone.
+		pid, _ = conn.PID(ctx)
+		var err error
+		claimed, err = sub.store.ClaimPassing(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, sub.claimer.passRoom, due, buf)
+		return err
+	})
+	claimed = sub.passDelayed(claimed, err)
+	if err != nil && len(claimed) > 0 {
+		if dbx.SQLState(err) != dbx.CodeQueryCanceled {
+			sub.dropUnsure(claimed, token, pid)
+		} // else the server ended the statement and rolled it back: its claims never were
+		claimed = claimed[:0]
+	}
+	return claimed, token, err
+}
+
+// dropUnsure gives back claims whose rows arrived before their statement failed, which none
+// of them is handed out for: the connection may have been cut after the server committed
+// (a restart of the server does that), or before it did, since rows go out while the
+// statement still runs and its writes are made last. So it first waits, up to
+// CleanupTimeout, for the statement's backend (pid) to end, which settles whether the claim
+// committed; then a release fenced by the claim's token makes the rows visible again at once
+// if they were claimed, and matches nothing if they were not. If the backend cannot be seen
+// to end, or the release fails, the rows return when their lease runs out (L5). Handing them
+// out instead would deliver messages whose claim may have been rolled back, and keeping them
+// would hold their MaxInFlight places forever: with MaxInFlight 1 the subscription stopped
+// claiming at a restart.
+func (sub *subscription) dropUnsure(cs []offsets.Claimed, token int64, pid uint32) {
+	fs := offsets.Fence(cs, token)
+	if pid != 0 && !sub.backendEnded(pid) {
+		sub.logger.Info("A failed claim's statement may still be running; its claims return when their lease runs out", watermill.LogFields{"count": len(fs), "backend_pid": pid})
+		return
+	}
+	if n, ok := sub.releaseRows(fs, "Releasing the claims of a failed claim statement failed; they return when their lease runs out"); ok && n > 0 {
+		sub.claimer.markDue(time.Now())
+	}
+}
+
+// backendEnded waits up to CleanupTimeout for the server process pid to be gone, and says
+// whether it saw it go. A failed look is tried again: after a restart the server is back
+// within that time, without the process. (A new backend given the same pid meanwhile only
+// makes it wait.)
+func (sub *subscription) backendEnded(pid uint32) bool {
+	ctx, cancel := dbx.CleanupContext(sub.ctx)
+	defer cancel()
+	for {
+		var alive bool
+		err := sub.s.tracker.Run(ctx, stmtBackend, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
+			return dbx.QueryRow(ctx, q, "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", []any{int64(pid)}, &alive)
+		})
+		if err == nil && !alive {
+			return true
+		}
+		pause := 10 * time.Millisecond
+		if err != nil {
+			pause = 100 * time.Millisecond // the server may be restarting
+		}
+		select {
+		case <-time.After(pause):
+		case <-ctx.Done():
+			return false
+		case <-sub.s.tracker.Stopping():
+			return false
+		}
+	}
+}
+
+// release gives back claims that never reached a handler, fenced by their tokens.
+func (l *leaseMode) release(ds []*delivery) {
+	sub := l.sub
+	n, ok := sub.releaseRows(fenced(ds), "Releasing undelivered claims failed; they return when their lease runs out")
+	if ok {
+		sub.atStop.released.Add(int64(n))
+		sub.logger.Debug("Released undelivered claims", watermill.LogFields{"count": n})
+	}
+}
+
+// await waits for the handler's ack or nack and queues it for the settler.
+func (l *leaseMode) await(d *delivery) {
+	sub := l.sub
+	defer sub.settler.producers.Done()
+	op := outcome(d, l.stop)
+	if op == "" {
+		// Shutdown stopped watching (S4, S11): a settlement made by then is still applied;
+		// one made later is not, and the message returns when its lease runs out.
+		select {
+		case <-d.msg.Acked():
+			op = "ack"
+		case <-d.msg.Nacked():
+			op = "nack"
+		default:
+			return
+		}
+	}
+	sub.work.settling(d)
+	sub.settler.enqueue(d, op)
+	// The handler is done: its slot goes back now. An ack's held token goes back too, not when
+	// the settle statement has run, so the next claim does not wait for that round trip. A
+	// nack keeps its token until it is applied, so that the message it makes due again is
+	// claimed before newer ones (with MaxInFlight 1, order holds across nacks). Acks waiting
+	// for their statement are bounded by the queue's capacity plus one statement's batch.
+	sub.work.freeSlot(d)
+	if op == "ack" {
+		sub.work.freeToken(d)
+	}
+}
+
+// failed handles settlements whose statement failed: those it applied before the error are
+// counted and done; the rest are retried while their lease holds (it keeps being extended
+// meanwhile), or left to Shutdown's giveUp once it stopped the tracker.
+func (l *leaseMode) failed(op string, these []settlement, done map[int64]bool, err error) []settlement {
+	sub := l.sub
+	var rest []settlement
+	for _, x := range these {
+		if done[x.d.offset] {
+			sub.settler.countApplied(op)
+			sub.forget(x.d)
+		} else {
+			rest = append(rest, x)
+		}
+	}
+	these = rest
+	if len(these) == 0 {
+		return nil
+	}
+	if sub.stopping() {
+		return these // the settler gives them up
+	}
+	sub.s.stats.errors.Add(1)
+	var retry []settlement
+	for _, x := range these {
+		x.d.mu.Lock()
+		left := time.Until(x.d.deadline)
+		x.d.mu.Unlock()
+		if left > 0 {
+			retry = append(retry, x)
+			continue
+		}
+		sub.logger.Error("Settlement failed and the lease ran out; the message will be redelivered", err, sub.fields(x.d.offset))
+		sub.forget(x.d)
+	}
+	sub.logger.Error("Settlement failed", err, watermill.LogFields{"op": op, "count": len(these), "retrying": len(retry)})
+	return retry
+}
+
+// giveUp: their messages return when their leases run out.
+func (l *leaseMode) giveUp(sts []settlement) {
+	l.sub.logger.Info("Settlements not applied before the shutdown ended; their messages return when their leases run out", watermill.LogFields{"count": len(sts)})
+	for _, x := range sts {
+		l.sub.forget(x.d)
+	}
+}
+
+// run is the lease extender: it extends the leases of every delivery in work, well before
+// they run out (L2). A lease the database refuses to extend, or whose deadline passed
+// locally, is lost: the message's context is cancelled so the handler can stop (L4). An
+// extension that cannot run (blocked on a table lock, a slow server) is cancelled on the
+// server once LeaseRenewInterval has passed and tried again at the next tick; when the
+// lease's deadline passes meanwhile, the lease is lost.
+func (l *leaseMode) run() {
+	sub := l.sub
+	t := time.NewTicker(sub.cfg.LeaseRenewInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-l.stop:
+			return
+		case <-sub.handout.ended:
+			// The subscription stopped; keep extending while handlers still work.
+			if sub.inFlight() == 0 {
+				return
+			}
+			select {
+			case <-t.C:
+			case <-l.stop:
+				return
+			}
+		}
+		l.extendOnce()
+	}
+}
+
+func (l *leaseMode) extendOnce() {
+	sub := l.sub
+	ds := sub.work.all()
+	if len(ds) == 0 {
+		return
+	}
+	fs := make([]offsets.Fenced, 0, len(ds))
+	live := ds[:0]
+	now := time.Now()
+	for _, d := range ds {
+		d.mu.Lock()
+		ok := d.state != stateLost && !d.ackedInTx // a claim acked in a transaction is locked by it until it ends
+		d.mu.Unlock()
+		if ok {
+			fs = append(fs, offsets.Fenced{Offset: d.offset, Token: d.token})
+			live = append(live, d)
+		}
+	}
+	var done map[int64]bool
+	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtExtend, sub.cfg.LeaseRenewInterval, func(ctx context.Context, q dbx.Querier) error {
+		var err error
+		done, err = sub.store.Extend(ctx, q, sub.groupID, fs, sub.cfg.LeaseTTL)
+		return err
+	})
+	if err != nil && sub.stopping() {
+		return // Shutdown stopped it: the leases are left to run out
+	}
+	if err != nil {
+		sub.s.stats.errors.Add(1)
+		sub.logger.Error("Extending leases failed", err, watermill.LogFields{"count": len(fs)})
+	}
+	for _, d := range live {
+		d.mu.Lock()
+		extended := err == nil && done[d.offset]
+		if extended {
+			d.deadline = now.Add(sub.cfg.LeaseTTL)
+		}
+		// Refused while settling: the settlement deleted or moved the row.
+		lost := !extended && (err == nil && d.state != stateSettling || err != nil && time.Now().After(d.deadline))
+		d.mu.Unlock()
+		if lost && sub.work.lose(d) {
+			sub.claimer.markDue(time.Now()) // its lease ran out: the row is due, and this may take it
+			sub.s.stats.leasesLost.Add(1)
+			sub.logger.Info("Lease lost; the message may be redelivered", sub.fields(d.offset))
+			d.cancel(ErrLeaseLost)
+		}
+	}
+}
+
+// fenced returns the fenced claims of ds.
+func fenced(ds []*delivery) []offsets.Fenced {
+	fs := make([]offsets.Fenced, len(ds))
+	for i, d := range ds {
+		fs[i] = offsets.Fenced{Offset: d.offset, Token: d.token}
+	}
+	return fs
+}
