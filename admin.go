@@ -3,7 +3,6 @@ package sqlbroker
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/advisory"
@@ -95,9 +94,13 @@ func (c *AdminConfig) validate() error {
 // shares nothing with the publishers and subscribers of the process, and waits on none of
 // them: every call runs its own statements on db, bounded on the server by StatementTimeout.
 type Admin struct {
-	db     dbx.Pool
-	config AdminConfig
-	sqlite bool // on SQLite: the dead-letter tools, Peek and Prune only
+	db      dbx.Pool
+	config  AdminConfig
+	dialect dbx.Dialect
+	// sqlite is dialect == dbx.SQLite, for deadletter_admin.go's read.
+	//
+	// Deprecated: ask dialect for the capability needed.
+	sqlite bool
 }
 
 // NewAdmin builds an Admin on db, which must wrap a pool (Pgx, StdSQL or SQLite). On SQLite
@@ -111,10 +114,10 @@ func NewAdmin(db DB, config AdminConfig) (*Admin, error) {
 	if err := config.validate(); err != nil {
 		return nil, err
 	}
-	if db.sqlite() && config.Schema != "" {
-		return nil, &ConfigError{Field: "Schema", Value: config.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
+	if err := schemaOn(db.dialect(), config.Schema); err != nil {
+		return nil, err
 	}
-	return &Admin{db: db.pool, config: config, sqlite: db.sqlite()}, nil
+	return &Admin{db: db.pool, config: config, dialect: db.dialect(), sqlite: db.dialect() == dbx.SQLite}, nil
 }
 
 // postgresOnly refuses, on SQLite, a method that reads PostgreSQL's catalog.
@@ -343,18 +346,14 @@ func (a *Admin) readOnly(ctx context.Context, fn func(dbx.Querier) error) error 
 	})
 }
 
+// limits bounds the statements of tx by StatementTimeout where the database can (elsewhere
+// ctx bounds them), and sets its access mode.
 func (a *Admin) limits(ctx context.Context, tx dbx.Querier, readOnly bool) error {
-	if a.sqlite {
-		return nil // a statement is bounded by ctx; a write transaction is BEGIN IMMEDIATE
-	}
-	ms := strconv.FormatInt(a.config.StatementTimeout.Milliseconds(), 10)
-	ro := "off"
+	access := dbx.TxAccessReadWrite
 	if readOnly {
-		ro = "on"
+		access = dbx.TxAccessReadOnly
 	}
-	_, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $1, true),
-	set_config('transaction_read_only', $2, true)`, ms, ro)
-	return err
+	return dbx.SetTxTimeouts(ctx, tx, a.config.StatementTimeout.Milliseconds(), access)
 }
 
 func (a *Admin) advisoryHolders(ctx context.Context) (map[[2]int32]int64, error) {
@@ -374,7 +373,7 @@ func (a *Admin) tables(topic string) (offsets.Tables, error) {
 	if err := validateName("topic", topic); err != nil {
 		return offsets.Tables{}, err
 	}
-	return tablesFor(a.config.Schema, a.config.TablePrefix, topic, a.sqlite), nil
+	return tablesOn(a.dialect, a.config.Schema, a.config.TablePrefix, topic), nil
 }
 
 // group validates topic and group, and checks that the topic's tables exist.
