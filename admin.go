@@ -120,12 +120,13 @@ func NewAdmin(db DB, config AdminConfig) (*Admin, error) {
 	return &Admin{db: db.pool, config: config, dialect: db.dialect(), sqlite: db.dialect() == dbx.SQLite}, nil
 }
 
-// postgresOnly refuses, on SQLite, a method that reads PostgreSQL's catalog.
-func (a *Admin) postgresOnly(method string) error {
-	if !a.sqlite {
+// inspects refuses, on a database without the operator statements (SQLite), a method that
+// reads PostgreSQL's catalog.
+func (a *Admin) inspects(method string) error {
+	if offsets.Inspects(a.dialect) {
 		return nil
 	}
-	return &ConfigError{Field: "db", Value: "SQLite", Reason: "Admin." + method + " reads PostgreSQL's catalog and is PostgreSQL's only"}
+	return &ConfigError{Field: "db", Value: a.dialect.Name, Reason: "Admin." + method + " reads PostgreSQL's catalog and is PostgreSQL's only"}
 }
 
 // Inspection is the state of topics, as Inspect read it.
@@ -231,7 +232,7 @@ type InspectOptions struct {
 // (long names) and whose tables were created before this version of the library appears
 // under its shortened name, which ends with '#' and a hash.
 func (a *Admin) Topics(ctx context.Context) ([]string, bool, error) {
-	if err := a.postgresOnly("Topics"); err != nil {
+	if err := a.inspects("Topics"); err != nil {
 		return nil, false, err
 	}
 	found, more, err := offsets.FindTopics(ctx, a.db, a.config.Schema, a.config.TablePrefix, a.config.MaxTopics)
@@ -251,7 +252,7 @@ func (a *Admin) Topics(ctx context.Context) ([]string, bool, error) {
 // others are still read. ctx bounds the whole call.
 func (a *Admin) Inspect(ctx context.Context, opts InspectOptions) (Inspection, error) {
 	var ins Inspection
-	if err := a.postgresOnly("Inspect"); err != nil {
+	if err := a.inspects("Inspect"); err != nil {
 		return ins, err
 	}
 	var tables []offsets.Tables
@@ -413,7 +414,7 @@ func (a *Admin) ResetGroupToTime(ctx context.Context, topic, group string, at ti
 }
 
 func (a *Admin) reset(ctx context.Context, topic, group string, offset int64, at time.Time, byTime bool) (int64, error) {
-	if err := a.postgresOnly("ResetGroup"); err != nil {
+	if err := a.inspects("ResetGroup"); err != nil {
 		return 0, err
 	}
 	t, err := a.group(ctx, topic, group)
@@ -432,7 +433,7 @@ func (a *Admin) reset(ctx context.Context, topic, group string, offset int64, at
 // still runs stops receiving; one that subscribes later starts the group anew (at the
 // oldest message kept, or at the newest with StartAtNewest).
 func (a *Admin) DeleteGroup(ctx context.Context, topic, group string) (int64, error) {
-	if err := a.postgresOnly("DeleteGroup"); err != nil {
+	if err := a.inspects("DeleteGroup"); err != nil {
 		return 0, err
 	}
 	t, err := a.group(ctx, topic, group)

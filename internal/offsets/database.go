@@ -57,6 +57,9 @@ type database interface {
 	keyClaim(ctx context.Context, k KeyTable, q dbx.Querier, key []byte, window time.Duration) (bool, error)
 	keyPrune(ctx context.Context, k KeyTable, q dbx.Querier, limit int) (int64, error)
 
+	// inspection is the database's operator statements (inspect.go), nil if it has none.
+	inspection() *inspectStatements
+
 	// backendAlive reports whether the server process pid still runs (BackendPIDs).
 	backendAlive(ctx context.Context, q dbx.Querier, pid uint32) (bool, error)
 }
@@ -78,3 +81,16 @@ const (
 	settleRelease                 // make them visible at once, the attempt taken back
 	settleExtend                  // move their lease deadline
 )
+
+// BackendAlive reports whether the server process pid (a connection's dbx.Conn.PID) still
+// runs. Ask dbx.Dialect.BackendPIDs first: a database without server processes returns an
+// error.
+func BackendAlive(ctx context.Context, q dbx.Querier, pid uint32) (bool, error) {
+	return databaseOf(dbx.DialectOf(q)).backendAlive(ctx, q, pid)
+}
+
+// Notify sends payload on channel (a NOTIFY, delivered when the transaction commits, at once
+// outside one); it does nothing where the database has no NOTIFY (dbx.Dialect.Notify).
+func Notify(ctx context.Context, q dbx.Querier, channel, payload string) error {
+	return databaseOf(dbx.DialectOf(q)).notify(ctx, q, channel, payload)
+}

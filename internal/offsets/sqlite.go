@@ -474,6 +474,9 @@ func (sqlite) claimLocked(context.Context, dbx.Querier, int32, int64, int, int, 
 	return nil, errNoAdvisoryLocks
 }
 
+// inspection: SQLite has no catalog of comments, sessions or locks to inspect.
+func (sqlite) inspection() *inspectStatements { return nil }
+
 // backendAlive: SQLite runs in the process, with no server process to look up.
 func (sqlite) backendAlive(context.Context, dbx.Querier, uint32) (bool, error) {
 	return false, errors.New("offsets: SQLite has no server processes")

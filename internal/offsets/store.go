@@ -231,10 +231,9 @@ func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row, channel s
 // SQLite when a row is delayed: see OneStatement).
 func MaxRowsPerStatement() int { return maxRowsPerInsert }
 
-// CopyMinRows is the number of rows from which Copy writes faster than Insert on this
-// library's messages rows (256-byte payloads, pgx, PostgreSQL 15, measured by
-// BenchmarkInsertVsCopy): below it, the multi-row INSERT is as fast or faster, and it carries
-// the NOTIFY in the same statement.
+// CopyMinRows is the number of rows from which Copy writes faster than Insert
+// (BenchmarkInsertVsCopy; BENCHMARKS.md): below it, the multi-row INSERT is as fast or faster,
+// and it carries the NOTIFY in the same statement.
 const CopyMinRows = 500
 
 var (
