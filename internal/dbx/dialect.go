@@ -22,6 +22,8 @@ type Dialect struct {
 	Copy bool
 	// StatementTimeouts: a transaction can bound its statements and lock waits on the server.
 	StatementTimeouts bool
+	// InProcess: statements run in the process, on its own CPU (an embedded database).
+	InProcess bool
 	// MaxParams is the most bind parameters one statement may carry.
 	MaxParams int
 }
@@ -32,7 +34,7 @@ var (
 	Postgres = Dialect{Name: "PostgreSQL", Notify: true, AdvisoryLocks: true, Schemas: true, BackendPIDs: true, Copy: true, StatementTimeouts: true, MaxParams: 65535}
 	// SQLite is SQLite through modernc.org/sqlite, whose SQLITE_MAX_VARIABLE_NUMBER is the
 	// default 32766.
-	SQLite = Dialect{Name: "SQLite", MaxParams: 32766}
+	SQLite = Dialect{Name: "SQLite", InProcess: true, MaxParams: 32766}
 )
 
 // dialected is a pool, connection or transaction that says its dialect.

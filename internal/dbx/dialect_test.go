@@ -37,7 +37,7 @@ func TestDialectOf_eachAdapterSaysItsDatabase(t *testing.T) {
 			t.Errorf("%s: dialect %q, want PostgreSQL", name, got.Name)
 		}
 	}
-	if dbx.SQLite.Schemas || dbx.SQLite.AdvisoryLocks || dbx.SQLite.Notify || dbx.SQLite.BackendPIDs || !dbx.Postgres.Schemas {
+	if dbx.SQLite.Schemas || dbx.SQLite.AdvisoryLocks || dbx.SQLite.Notify || dbx.SQLite.BackendPIDs || !dbx.SQLite.InProcess || dbx.Postgres.InProcess || !dbx.Postgres.Schemas {
 		t.Errorf("capabilities: SQLite %+v, PostgreSQL %+v", dbx.SQLite, dbx.Postgres)
 	}
 }
