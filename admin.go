@@ -129,6 +129,11 @@ func (a *Admin) inspects(method string) error {
 	return &ConfigError{Field: "db", Value: a.dialect.Name, Reason: "Admin." + method + " reads PostgreSQL's catalog and is PostgreSQL's only"}
 }
 
+// postgresOnly is inspects.
+//
+// Deprecated: call inspects, or ask a.dialect for the capability the method needs.
+func (a *Admin) postgresOnly(method string) error { return a.inspects(method) }
+
 // Inspection is the state of topics, as Inspect read it.
 type Inspection struct {
 	Topics []TopicState `json:"topics"`
