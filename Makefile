@@ -20,10 +20,14 @@ test:
 # Every package under the race detector, one package at a time (the chaos suite holds the
 # xmin horizon back and terminates connections: run beside the others it would slow them
 # down). The chaos suite (tests/chaos) appends its totals to
-# chaos-totals.txt, printed here: go test shows nothing else of a passing package.
+# chaos-totals.txt, printed here: go test shows nothing else of a passing package. The
+# migration from watermill-sql is tested in a module of its own (tests/migrate), so that the
+# library's module does not require watermill-sql.
 test-race:
 	go vet ./...
 	go -C cmd/sqlbroker-bench vet ./...
+	go -C tests/migrate vet ./...
+	go -C tests/migrate test -race -count=1 -timeout 10m -run '$(RACE_TESTS)' ./...
 	rm -f chaos-totals.txt
 	SQLBROKER_CHAOS_TOTALS=$(CURDIR)/chaos-totals.txt go test -race -count=1 -p 1 -timeout 20m -run '$(RACE_TESTS)' -skip 'TestUniversal_' ./...; \
 		status=$$?; cat chaos-totals.txt 2>/dev/null; exit $$status

@@ -9,15 +9,7 @@ import (
 // QueuedCalls is the number of grouped Publish calls of p waiting for topic's next statement.
 func QueuedCalls(p *Publisher, topic string) int {
 	table := tablesOn(p.db.dialect(), p.config.Schema, p.config.TablePrefix, topic).Messages
-	p.groupsMu.Lock()
-	g := p.groups[table]
-	p.groupsMu.Unlock()
-	if g == nil {
-		return 0
-	}
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return len(g.queue)
+	return p.grouped.queued(table)
 }
 
 // PublisherClosed reports whether Close (or the broker's shutdown) has begun on p.

@@ -2,20 +2,16 @@ package sqlbroker
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
-	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/wake"
 )
@@ -35,18 +31,12 @@ type Publisher struct {
 	// down (a broker does not keep its transaction publishers).
 	ownerClosed func() bool
 
-	// NOTIFY debouncing, per messages table. timers counts the trailing NOTIFYs scheduled
-	// and not yet over (stopped before they fired, or done); once notifyClosed is set, no
-	// timer is scheduled any more.
-	notifyMu     sync.Mutex
-	lastNotify   map[string]time.Time
-	notifyTimers map[string]*time.Timer
-	notifyClosed bool
-	timers       sync.WaitGroup
+	// notifier debounces the NOTIFYs of a pool publisher; nil inside a caller's transaction
+	// (its commit notifies) and when notifications are off.
+	notifier *notifier
 
-	// Grouped publishes, per messages table (see publishGrouped).
-	groupsMu sync.Mutex
-	groups   map[string]*group
+	// grouped groups the concurrent publishes of a pool publisher (see groupInsert.publish).
+	grouped *groupInsert
 
 	// tracker runs every statement of a pool publisher, so that shutdown can cancel on the
 	// server whatever still runs when its wait ends, and wait for the server's answer. nil
@@ -67,7 +57,7 @@ var _ message.Publisher = (*Publisher)(nil)
 // NewPublisher builds a Publisher on db. A nil logger logs nothing.
 func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter) (*Publisher, error) {
 	if !db.valid() {
-		return nil, &ConfigError{Field: "db", Value: "empty DB", Reason: "must wrap a pool or transaction: use sqlbroker.Pgx, StdSQL, PgxTx or StdTx"}
+		return nil, &ConfigError{Field: "db", Value: "empty DB", Reason: "must wrap a pool or transaction: use sqlbroker.Pgx, StdSQL, SQLite, PgxTx, StdTx or SQLiteTx"}
 	}
 	config.setDefaults()
 	if err := config.validate(); err != nil {
@@ -86,18 +76,19 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 	if db.pool != nil {
 		tracker = dbx.NewTracker(db.pool)
 	}
-	return &Publisher{
+	p := &Publisher{
 		db:     db,
 		config: config,
 		logger: logger,
 		topics: newTopics(config.Schema, config.TablePrefix, false, db.sqlite()),
 
-		lastNotify:   map[string]time.Time{},
-		notifyTimers: map[string]*time.Timer{},
-
-		groups:  map[string]*group{},
+		grouped: newGroupInsert(config.MaxGroupRows, config.MaxStatementBytes),
 		tracker: tracker,
-	}, nil
+	}
+	if tracker != nil && !config.DisableNotify {
+		p.notifier = newNotifier(config.NotifyDebounce, p.notify)
+	}
+	return p, nil
 }
 
 // Publish writes messages to topic, all or none: in one statement, or in one transaction when
@@ -157,7 +148,11 @@ func (p *Publisher) Publish(topic string, messages ...*message.Message) error {
 		return p.publishErr(topic, nil, err)
 	}
 	if p.db.pool != nil && !p.config.DisableGroupInsert && len(rows) <= p.config.MaxGroupRows {
-		sent, err := p.publishGrouped(ctx, store, rows)
+		sent, err := p.grouped.publish(ctx, store.T.Messages, rows, func(ctx context.Context, rows []offsets.Row) error {
+			return p.run(ctx, stmtPublish, p.config.GroupTimeout, func(ctx context.Context, q dbx.Querier) error {
+				return p.write(ctx, q, store, rows)
+			})
+		})
 		if !sent {
 			return notWritten(ctx, topic)
 		}
@@ -239,7 +234,7 @@ func (p *Publisher) publishErr(topic string, store *offsets.Store, err error) er
 //     transaction (on a pool; the caller's otherwise).
 func (p *Publisher) write(ctx context.Context, q dbx.Querier, store *offsets.Store, rows []offsets.Row) error {
 	table := store.T.Messages
-	channel := p.notifyInline(table)
+	channel := p.notifyChannel(table)
 	var err error
 	copier, canCopy := q.(dbx.Copier)
 	switch {
@@ -278,377 +273,11 @@ func (p *Publisher) write(ctx context.Context, q dbx.Querier, store *offsets.Sto
 	}
 	if p.db.tx == nil {
 		wake.Notify(table)
-		if channel == "" {
-			p.notifyLater(table)
+		if channel == "" && p.notifier != nil {
+			p.notifier.later(table)
 		}
 	}
 	return nil
-}
-
-// group queues the calls for one messages table while a statement for it runs.
-type group struct {
-	mu      sync.Mutex
-	running bool       // a leader is writing, or has been chosen
-	queue   []*pending // calls waiting, in arrival order
-}
-
-type pendingState int
-
-const (
-	pendingQueued  pendingState = iota // in the queue, rows not sent
-	pendingLeading                     // told to write the next statement
-	pendingSent                        // rows in a running statement
-	pendingDone                        // err is final
-)
-
-// pending is one Publish call waiting in a group. Its fields are guarded by the group's mu.
-type pending struct {
-	ctx   context.Context
-	rows  []offsets.Row
-	bytes int // rowBytes of rows
-	state pendingState
-	sent  bool  // its rows went into a statement (or it was cancelled first: false)
-	err   error // the statement's outcome, once done
-	wake  chan struct{}
-}
-
-func (p *Publisher) group(table string) *group {
-	p.groupsMu.Lock()
-	defer p.groupsMu.Unlock()
-	g := p.groups[table]
-	if g == nil {
-		g = &group{}
-		p.groups[table] = g
-	}
-	return g
-}
-
-// publishGrouped writes rows in a statement shared with the other calls for the topic that
-// queued beside it (group insert). There is no goroutine of its own: the call that finds no
-// statement running leads, writing one statement with every call queued, up to MaxGroupRows
-// rows; when it ends, it hands the lead to the first call still queued, or marks the group
-// idle. It returns the statement's outcome and sent = true, or sent = false when ctx ended
-// before the rows were sent (nothing was written).
-func (p *Publisher) publishGrouped(ctx context.Context, store *offsets.Store, rows []offsets.Row) (sent bool, err error) {
-	g := p.group(store.T.Messages)
-	c := &pending{ctx: ctx, rows: rows, bytes: rowsBytes(rows), wake: make(chan struct{}, 1)}
-	g.mu.Lock()
-	g.queue = append(g.queue, c)
-	if !g.running {
-		g.running = true
-		c.state = pendingLeading
-		g.mu.Unlock()
-		p.lead(g, store, c)
-		return c.sent, c.err
-	}
-	g.mu.Unlock()
-
-	done := ctx.Done()
-	for {
-		select {
-		case <-c.wake:
-		case <-done:
-		}
-		g.mu.Lock()
-		switch c.state {
-		case pendingQueued:
-			if ctx.Err() != nil {
-				g.remove(c)
-				c.state = pendingDone
-				g.mu.Unlock()
-				return false, nil
-			}
-		case pendingLeading:
-			g.mu.Unlock()
-			p.lead(g, store, c)
-			return c.sent, c.err
-		case pendingSent:
-			done = nil // the outcome is the statement's now
-		case pendingDone:
-			g.mu.Unlock()
-			return c.sent, c.err
-		}
-		g.mu.Unlock()
-	}
-}
-
-func (g *group) remove(c *pending) {
-	for i, q := range g.queue {
-		if q == c {
-			g.queue = append(g.queue[:i], g.queue[i+1:]...)
-			return
-		}
-	}
-}
-
-// signal wakes c's caller; its state says why.
-func (c *pending) signal() {
-	select {
-	case c.wake <- struct{}{}:
-	default:
-	}
-}
-
-// lead writes one statement for the calls at the head of g's queue (me, the leader, is first),
-// up to MaxGroupRows rows and MaxStatementBytes bytes (the first call always goes in), then
-// passes the lead on. Calls whose context ended before they were taken are done with
-// nothing written. The statement is bounded by GroupTimeout and by the publisher's shutdown,
-// never by a caller's context: one caller giving up must not fail the rows of the others. It
-// carries the values of the context of the batch's first call (a tracing span, a request
-// id), not its cancellation.
-func (p *Publisher) lead(g *group, store *offsets.Store, me *pending) {
-	g.mu.Lock()
-	var batch []*pending
-	n, size, taken := 0, 0, 0
-	for _, c := range g.queue {
-		if c.ctx.Err() != nil {
-			c.state = pendingDone
-			if c != me {
-				c.signal()
-			}
-			taken++
-			continue
-		}
-		// A call that would take the statement past either bound starts the next one: the
-		// bounds are PostgreSQL's, and one call's size must never fail the others.
-		if len(batch) > 0 && (n+len(c.rows) > p.config.MaxGroupRows || size+c.bytes > p.config.MaxStatementBytes) {
-			break
-		}
-		c.state = pendingSent
-		c.sent = true
-		batch = append(batch, c)
-		n += len(c.rows)
-		size += c.bytes
-		taken++
-	}
-	g.queue = append(g.queue[:0], g.queue[taken:]...)
-	g.mu.Unlock()
-
-	if len(batch) > 0 {
-		rows := batch[0].rows
-		if len(batch) > 1 {
-			rows = make([]offsets.Row, 0, n)
-			for _, c := range batch {
-				rows = append(rows, c.rows...)
-			}
-		}
-		write := func(rows []offsets.Row) error {
-			return p.run(context.WithoutCancel(batch[0].ctx), stmtPublish, p.config.GroupTimeout, func(ctx context.Context, q dbx.Querier) error {
-				return p.write(ctx, q, store, rows)
-			})
-		}
-		err := write(rows)
-		errs := make([]error, len(batch))
-		for i := range batch {
-			errs[i] = err
-		}
-		if err != nil && len(batch) > 1 && refusedData(err) {
-			// The server refused the rows of one call (nothing was written): each call runs
-			// alone, so that none fails for another's rows.
-			for i, c := range batch {
-				errs[i] = write(c.rows)
-			}
-		}
-		g.mu.Lock()
-		for i, c := range batch {
-			c.err = errs[i]
-			c.state = pendingDone
-			if c != me {
-				c.signal()
-			}
-		}
-		g.mu.Unlock()
-	}
-
-	g.mu.Lock()
-	if len(g.queue) > 0 {
-		next := g.queue[0]
-		next.state = pendingLeading
-		next.signal()
-	} else {
-		g.running = false
-	}
-	g.mu.Unlock()
-}
-
-// refusedData reports whether err is the server refusing a statement for the values it
-// carries (SQLSTATE classes 22, data exception, 23, integrity constraint violation, as from
-// a unique index or a check the user added, and 54, program limit exceeded): the statement
-// failed whole, and one without the rows at fault would not.
-func refusedData(err error) bool {
-	switch code := dbx.SQLState(err); {
-	case strings.HasPrefix(code, "22"), strings.HasPrefix(code, "23"), strings.HasPrefix(code, "54"):
-		return true
-	}
-	return false
-}
-
-// rowOverhead is what a row adds to a statement besides its UUID, payload and metadata: the
-// length words of its parameters, a delayed row's time, the placeholders' text.
-const rowOverhead = 64
-
-// rowBytes is the size of r in a statement, as MaxStatementBytes counts it.
-func rowBytes(r offsets.Row) int {
-	return len(r.UUID) + len(r.Payload) + len(r.Metadata) + rowOverhead
-}
-
-func rowsBytes(rows []offsets.Row) int {
-	n := 0
-	for _, r := range rows {
-		n += rowBytes(r)
-	}
-	return n
-}
-
-// splitBytes cuts rows into runs of at most limit bytes (rowBytes), in order; a row larger
-// than limit is a run of its own.
-func splitBytes(rows []offsets.Row, limit int) [][]offsets.Row {
-	var chunks [][]offsets.Row
-	start, size := 0, 0
-	for i, r := range rows {
-		b := rowBytes(r)
-		if i > start && size+b > limit {
-			chunks = append(chunks, rows[start:i])
-			start, size = i, 0
-		}
-		size += b
-	}
-	return append(chunks, rows[start:])
-}
-
-// notifyInline returns the NOTIFY channel when this publish should wake the topic's
-// subscribers in other processes from its own statement, or "" when a NOTIFY of the table went
-// out less than NotifyDebounce ago: NOTIFY takes a lock shared by the whole cluster at commit,
-// so a busy topic notifies at most once per NotifyDebounce (notifyLater sends the trailing
-// one). Inside a caller's transaction it always notifies: the commit is the caller's.
-func (p *Publisher) notifyInline(table string) string {
-	if p.config.DisableNotify {
-		return ""
-	}
-	if p.db.tx != nil {
-		return listen.Channel
-	}
-	p.notifyMu.Lock()
-	defer p.notifyMu.Unlock()
-	now := time.Now()
-	if now.Sub(p.lastNotify[table]) < p.config.NotifyDebounce {
-		return ""
-	}
-	p.lastNotify[table] = now
-	return listen.Channel
-}
-
-// notifyLater makes sure a NOTIFY of table follows a publish that did not send one, at most
-// NotifyDebounce after the last one. Once shutdown has begun, the publish sends it itself
-// (shutdown waits for the publishes running, and so for it).
-func (p *Publisher) notifyLater(table string) {
-	if p.config.DisableNotify {
-		return
-	}
-	p.notifyMu.Lock()
-	if p.notifyClosed {
-		p.notifyMu.Unlock()
-		p.notify(context.Background(), table)
-		return
-	}
-	defer p.notifyMu.Unlock()
-	if p.notifyTimers[table] != nil {
-		return
-	}
-	wait := max(p.config.NotifyDebounce-time.Since(p.lastNotify[table]), 0)
-	p.timers.Add(1)
-	p.notifyTimers[table] = time.AfterFunc(wait, func() {
-		defer p.timers.Done()
-		p.notifyMu.Lock()
-		delete(p.notifyTimers, table)
-		p.lastNotify[table] = time.Now()
-		p.notifyMu.Unlock()
-		p.notify(context.Background(), table)
-	})
-}
-
-// notify sends a NOTIFY of table through the tracker, bounded by ctx and CleanupTimeout; a
-// failure only delays the subscribers of other processes until their next poll.
-func (p *Publisher) notify(ctx context.Context, table string) {
-	err := p.run(ctx, stmtNotify, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
-		_, err := q.Exec(ctx, "SELECT pg_notify($1, $2)", listen.Channel, table)
-		return err
-	})
-	if err != nil && !errors.Is(err, dbx.ErrStopped) {
-		p.logger.Debug("NOTIFY failed; subscribers will poll", watermill.LogFields{"err": err})
-	}
-}
-
-// rows validates messages and turns them into rows, before anything reaches the database.
-func (p *Publisher) rows(topic string, messages []*message.Message) ([]offsets.Row, error) {
-	rows := make([]offsets.Row, len(messages))
-	seen := make(map[string]int, len(messages))
-	for i, msg := range messages {
-		if msg == nil {
-			return nil, &PublishError{Topic: topic, Index: i, Reason: "message is nil"}
-		}
-		fail := func(reason string) error {
-			return &PublishError{Topic: topic, Index: i, UUID: msg.UUID, Reason: reason}
-		}
-		if msg.UUID == "" {
-			return nil, fail("UUID is empty")
-		}
-		if err := textOK(msg.UUID); err != "" {
-			return nil, fail("UUID " + err)
-		}
-		if j, dup := seen[msg.UUID]; dup {
-			return nil, fail(fmt.Sprintf("UUID is the same as message %d's in this call", j))
-		}
-		seen[msg.UUID] = i
-		if len(msg.Payload) > p.config.MaxPayloadBytes {
-			return nil, fail(fmt.Sprintf("payload is %d bytes, MaxPayloadBytes is %d", len(msg.Payload), p.config.MaxPayloadBytes))
-		}
-		meta, err := encodeMetadata(msg.Metadata)
-		if err != nil {
-			return nil, fail(err.Error())
-		}
-		rows[i] = offsets.Row{UUID: msg.UUID, Payload: msg.Payload, Metadata: meta}
-		if until, later, err := delayedUntil(msg.Metadata, time.Now()); err != nil {
-			return nil, fail(err.Error())
-		} else if later {
-			rows[i].DeliverAt = until
-		}
-	}
-	return rows, nil
-}
-
-// textOK says what keeps s from being stored as text, or "" if nothing does: invalid UTF-8
-// (encoding/json would silently replace it), or a NUL character, which is valid UTF-8 but
-// which PostgreSQL cannot store in text or jsonb.
-func textOK(s string) string {
-	if !utf8.ValidString(s) {
-		return "is not valid UTF-8 text"
-	}
-	if strings.IndexByte(s, 0) >= 0 {
-		return "contains a NUL character, which PostgreSQL cannot store in text"
-	}
-	return ""
-}
-
-// encodeMetadata turns metadata into a JSON object. Invalid UTF-8 and NUL characters are
-// refused (textOK), naming the key.
-func encodeMetadata(md message.Metadata) (string, error) {
-	if len(md) == 0 {
-		return "{}", nil
-	}
-	for k, v := range md {
-		if err := textOK(k); err != "" {
-			return "", fmt.Errorf("metadata key %q %s", k, err)
-		}
-		if err := textOK(v); err != "" {
-			return "", fmt.Errorf("metadata value of key %q %s", k, err)
-		}
-	}
-	b, err := json.Marshal(map[string]string(md))
-	if err != nil {
-		return "", fmt.Errorf("metadata: %w", err)
-	}
-	return string(b), nil
 }
 
 // messagesContext is cancelled as soon as any message's context is.
@@ -716,19 +345,8 @@ func (p *Publisher) shutdown(ctx context.Context) (publisherStop, error) {
 		return publisherStop{}, nil
 	}
 	// 3.
-	var due []string
-	p.notifyMu.Lock()
-	p.notifyClosed = true
-	for table, t := range p.notifyTimers {
-		if t.Stop() {
-			due = append(due, table)
-			p.timers.Done()
-		}
-		delete(p.notifyTimers, table)
-	}
-	p.notifyMu.Unlock()
-	for _, table := range due {
-		p.notify(ctx, table)
+	if p.notifier != nil {
+		p.notifier.Close(ctx)
 	}
 	// 4.
 	res := p.tracker.Stop(ctx)
@@ -736,7 +354,12 @@ func (p *Publisher) shutdown(ctx context.Context) (publisherStop, error) {
 	// is left of the calls that ran them is no database work.
 	wctx, cancel := context.WithTimeout(context.Background(), dbx.CancelWait)
 	defer cancel()
-	done := waitCtx(wctx, func() { p.inFlight.Wait(); p.timers.Wait() })
+	done := waitCtx(wctx, func() {
+		p.inFlight.Wait()
+		if p.notifier != nil {
+			p.notifier.wait()
+		}
+	})
 	stop := publisherStop{cancelled: int(p.stopCancelled.Load())}
 	for _, n := range res.Abandoned {
 		stop.abandoned += n

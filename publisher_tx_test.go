@@ -264,3 +264,14 @@ func TestPublisher_group_statementCarriesCallerContextValues(t *testing.T) {
 	require.NotEmpty(t, tracer.seen, "no INSERT traced")
 	assert.Equal(t, []any{"req-42"}, tracer.seen)
 }
+
+// A DB that wraps nothing is refused with an error that names every way to build one.
+func TestPublisher_emptyDBNamesEveryConstructor(t *testing.T) {
+	_, err := sqlbroker.NewPublisher(sqlbroker.DB{}, sqlbroker.PublisherConfig{}, nil)
+	var ce *sqlbroker.ConfigError
+	require.ErrorAs(t, err, &ce)
+	assert.Equal(t, "db", ce.Field)
+	for _, name := range []string{"Pgx", "StdSQL", "SQLite", "PgxTx", "StdTx", "SQLiteTx"} {
+		assert.Contains(t, err.Error(), name)
+	}
+}

@@ -8,6 +8,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"flag"
 	"fmt"
 	"log"
@@ -55,8 +56,9 @@ func run(url string, count int) error {
 		return err
 	}
 
-	// A topic of its own for every run, so a run reads only what it published.
-	topic := "basic-example." + watermill.NewShortUUID()
+	// A topic of its own for every run, so a run reads only what it published. In lower case:
+	// on SQLite, a topic with an upper-case letter has a hash in its table names.
+	topic := "basic-example." + strings.ToLower(watermill.NewShortUUID())
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
 	if err != nil {
 		return err
@@ -102,27 +104,42 @@ func run(url string, count int) error {
 		"%d deliveries in work, %d claims given back (all %d messages were handled first)\n",
 		report.Duration.Round(time.Microsecond), report.Subscriptions, report.ConnectionsClosed,
 		report.DeliveriesInWork, report.ClaimsReleased, count)
-	if strings.HasPrefix(url, "postgres") {
-		fmt.Println("dropping the example's tables")
-		return dropTopic(ctx, url, topic)
-	}
 	if strings.Contains(url, ":memory:") {
 		fmt.Println("the in-memory database, and the example's tables with it, went with the pool")
+		return nil
 	}
-	return nil
+	fmt.Println("dropping the example's tables")
+	return dropTopic(ctx, url, topic)
 }
 
-// dropTopic removes the example's tables on PostgreSQL.
+// dropTopic removes the example's tables: on PostgreSQL, whichever driver the URL names, and
+// in a SQLite file.
 func dropTopic(ctx context.Context, url, topic string) error {
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
 	ddl, err := sqlbroker.DropSQL(topic, "", "")
 	if err != nil {
 		return err
 	}
+	if file, ok := strings.CutPrefix(url, "sqlite:"); ok {
+		db, err := sql.Open("sqlite", "file:"+file)
+		if err != nil {
+			return err
+		}
+		defer db.Close()
+		// SQLite drops one table per statement: "DROP TABLE IF EXISTS a, b, c" becomes three.
+		for _, table := range strings.Split(strings.TrimPrefix(ddl, "DROP TABLE IF EXISTS "), ", ") {
+			if _, err := db.ExecContext(ctx, "DROP TABLE IF EXISTS "+table); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	// libpq+postgres:// names lib/pq for the broker; the URL after the prefix is the same
+	// connection string for pgx.
+	pool, err := pgxpool.New(ctx, strings.TrimPrefix(url, "libpq+"))
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
 	_, err = pool.Exec(ctx, ddl)
 	return err
 }

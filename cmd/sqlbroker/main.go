@@ -3,12 +3,13 @@
 //
 //	sqlbroker inspect [-topic T]... [-claims N] [-json]
 //	sqlbroker schema TOPIC
-//	sqlbroker retention [-older-than D] [TOPIC...]
+//	sqlbroker retention -older-than D [-dedup-table T] [TOPIC...]
 //	sqlbroker group reset TOPIC GROUP (-offset N | -time T)
 //	sqlbroker group delete TOPIC GROUP
 //	sqlbroker peek TOPIC [-offset N] [-n N] [-width W]
 //	sqlbroker dead-letter list DEADTOPIC [-offset N] [-n N]
 //	sqlbroker dead-letter redrive DEADTOPIC [-to TOPIC] [-limit N] [-batch N] [-dry-run]
+//	sqlbroker migrate-watermill-sql TOPIC -group G [-batch N] [-dry-run]
 //
 // Every command takes -url (or reads SQLBROKER_URL, then DATABASE_URL), -schema and -prefix
 // (the Schema and TablePrefix of the publishers and subscribers), -timeout and -json. The
@@ -43,9 +44,11 @@ import (
 const usage = `usage:
   sqlbroker inspect [-topic T]... [-claims N]        topics, groups, lag, claims, the xmin horizon
   sqlbroker schema TOPIC                             the DDL of TOPIC's tables, for migrations
-  sqlbroker retention [-older-than D] [-dedup-table T] [TOPIC...]
-                                                     one retention pass (every topic by default),
-                                                     and expired keys of a deduplication table
+  sqlbroker retention -older-than D [-dedup-table T] [TOPIC...]
+                                                     one retention pass over the settled messages
+                                                     older than D (-older-than 0: every settled
+                                                     one), of every topic by default, and expired
+                                                     keys of a deduplication table
   sqlbroker group reset TOPIC GROUP (-offset N | -time T)
                                                      the group receives again from that message
   sqlbroker group delete TOPIC GROUP                 delete a group, so it stops holding retention
@@ -56,6 +59,12 @@ const usage = `usage:
   sqlbroker dead-letter redrive DEADTOPIC [-to TOPIC] [-limit N] [-batch N] [-dry-run]
                                                      move them back to the topic each came from
                                                      (or -to), one transaction per batch
+  sqlbroker migrate-watermill-sql TOPIC -group G [-batch N] [-dry-run]
+                                                     copy what watermill-sql's group G has not
+                                                     consumed of TOPIC (table watermill_TOPIC)
+                                                     into TOPIC, in order; PostgreSQL only; a
+                                                     run again resumes (raise -timeout for a
+                                                     large backlog)
 
 common flags (after the command):
   -url URL       database URL (default: $SQLBROKER_URL, then $DATABASE_URL):
@@ -129,6 +138,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 	var at string
 	var dlf dlFlags
 	var keyTable string
+	var mig sqlbroker.MigrateOptions
+	var migGroup string
 	switch cmd {
 	case "inspect":
 		fs.Var(&topics, "topic", "topic to read (repeatable; default: every topic found)")
@@ -141,6 +152,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		fs.StringVar(&at, "time", "", "the first publication time (RFC 3339) the group receives again")
 	case "dead-letter list", "dead-letter redrive", "peek":
 		dlf.register(cmd, fs)
+	case "migrate-watermill-sql":
+		fs.StringVar(&migGroup, "group", "", "watermill-sql consumer group whose unconsumed messages are copied ('' is its default group)")
+		fs.IntVar(&mig.BatchSize, "batch", sqlbroker.DefaultMigrateBatchSize, "messages per transaction")
+		fs.BoolVar(&mig.DryRun, "dry-run", false, "count what would be copied, change nothing")
+		fs.StringVar(&mig.SourceSchema, "source-schema", "", "PostgreSQL schema of watermill-sql's tables (default: the search_path)")
 	case "schema", "group delete":
 	default:
 		fmt.Fprintf(stderr, "sqlbroker: unknown command %q\n%s", cmd, usage)
@@ -155,13 +171,22 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		return 2
 	}
 	pos := fs.Args()
-	want := map[string]int{"schema": 1, "group reset": 2, "group delete": 2, "dead-letter list": 1, "dead-letter redrive": 1, "peek": 1}
+	want := map[string]int{"schema": 1, "group reset": 2, "group delete": 2, "dead-letter list": 1, "dead-letter redrive": 1, "peek": 1, "migrate-watermill-sql": 1}
 	if n, ok := want[cmd]; ok && len(pos) != n {
 		fmt.Fprintf(stderr, "sqlbroker %s: want %d arguments, got %d\n%s", cmd, n, len(pos), usage)
 		return 2
 	}
 	if cmd == "inspect" && len(pos) > 0 {
 		fmt.Fprintf(stderr, "sqlbroker inspect: unexpected argument %q (name topics with -topic)\n", pos[0])
+		return 2
+	}
+	if cmd == "migrate-watermill-sql" && !flagSet(fs, "group") {
+		fmt.Fprintf(stderr, "sqlbroker migrate-watermill-sql: give -group G, the watermill-sql consumer group whose unconsumed messages are copied (-group '' for its default group)\n")
+		return 2
+	}
+	if cmd == "retention" && !flagSet(fs, "older-than") {
+		// Without it, a pass would delete every settled message of every topic: say how old.
+		fmt.Fprintf(stderr, "sqlbroker retention: give -older-than D (for example -older-than 168h): the pass deletes the settled messages older than D; -older-than 0 deletes every settled one\n")
 		return 2
 	}
 	if cmd == "group reset" && (offset < 0) == (at == "") {
@@ -208,6 +233,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		opts := sqlbroker.InspectOptions{Claims: claims}
 		if len(topics) > 0 {
 			opts.Topics = topics
+		}
+		for _, topic := range topics {
+			// A topic named on the command line must exist: a typo is an error, not a row.
+			if _, err := admin.Peek(ctx, topic, sqlbroker.ListOptions{Limit: 1}); err != nil {
+				var missing *sqlbroker.MissingTableError
+				if errors.As(err, &missing) {
+					fmt.Fprintf(stderr, "sqlbroker inspect: no such topic %q (no table %s; check -schema and -prefix)\n", topic, missing.Table)
+					return 1
+				}
+				return fail(stderr, rawURL, err)
+			}
 		}
 		ins, err := admin.Inspect(ctx, opts)
 		if err != nil {
@@ -283,6 +319,25 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 			return out.encode(map[string]any{"topic": pos[0], "consumer_group": pos[1], "next_offset": first}, stderr, rawURL)
 		}
 		fmt.Fprintf(stdout, "topic %q, consumer group %q: the next message it receives is offset %d\n", pos[0], pos[1], first)
+	case "migrate-watermill-sql":
+		res, err := admin.MigrateWatermillSQL(ctx, pos[0], migGroup, mig)
+		if out.json {
+			if err != nil {
+				return fail(stderr, rawURL, err)
+			}
+			return out.encode(res, stderr, rawURL)
+		}
+		verb := "copied"
+		if mig.DryRun {
+			verb = "would copy"
+		}
+		fmt.Fprintf(stdout, "topic %q, watermill-sql consumer group %q: %s %d messages (%d transactions)\n", pos[0], migGroup, verb, res.Migrated, res.Batches)
+		if res.HeldBack > 0 {
+			fmt.Fprintf(stdout, "%d more are held back by a transaction still running\n", res.HeldBack)
+		}
+		if err != nil {
+			return fail(stderr, rawURL, err)
+		}
 	case "group delete":
 		n, err := admin.DeleteGroup(ctx, pos[0], pos[1])
 		if err != nil {
@@ -294,6 +349,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		fmt.Fprintf(stdout, "topic %q: consumer group %q deleted (%d claims dropped)\n", pos[0], pos[1], n)
 	}
 	return 0
+}
+
+// flagSet reports whether the flag name was given on the command line.
+func flagSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
 }
 
 // parse parses flags wherever they stand among the positional arguments.

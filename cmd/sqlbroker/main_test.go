@@ -110,7 +110,7 @@ func TestCommand_groupResetDeleteRetention(t *testing.T) {
 	assert.Contains(t, stderr, `consumer group "nobody"`)
 	assert.Contains(t, stderr, f.Topic)
 
-	code, out, stderr = sqlbrokerCmd(t, nil, append([]string{"retention", f.Topic, "-json"}, url...)...)
+	code, out, stderr = sqlbrokerCmd(t, nil, append([]string{"retention", f.Topic, "-json", "-older-than", "0"}, url...)...)
 	require.Equal(t, 0, code, stderr)
 	assert.Contains(t, out, `"deleted": 0`, "the behind group holds every message")
 
@@ -118,7 +118,7 @@ func TestCommand_groupResetDeleteRetention(t *testing.T) {
 	require.Equal(t, 0, code, stderr)
 	assert.Contains(t, out, `consumer group "behind" deleted`)
 
-	code, out, stderr = sqlbrokerCmd(t, nil, append([]string{"retention", f.Topic}, url...)...)
+	code, out, stderr = sqlbrokerCmd(t, nil, append([]string{"retention", f.Topic, "-older-than", "0"}, url...)...)
 	require.Equal(t, 0, code, stderr)
 	assert.Equal(t, []string{f.Topic, "1"}, strings.Fields(strings.Split(out, "\n")[1]), "offset 1, which the ahead group passed")
 	assert.Equal(t, int64(9), f.Int(t, `SELECT count(*) FROM `+f.Tables.Messages))
@@ -128,4 +128,42 @@ func TestCommand_groupResetDeleteRetention(t *testing.T) {
 	ddl, err := sqlbroker.SchemaSQL(f.Topic, "", "")
 	require.NoError(t, err)
 	assert.Equal(t, ddl, out)
+}
+
+// retention without -older-than would delete every settled message of every topic: it is
+// refused, naming the flag, and deletes nothing.
+func TestCommand_retentionWantsOlderThan(t *testing.T) {
+	t.Parallel()
+	f := testdb.NewFixture(t)
+	_, err := f.Pool.Exec(context.Background(), `DELETE FROM `+f.Tables.Groups+` WHERE consumer_group = 'behind'`)
+	require.NoError(t, err)
+	before := f.Int(t, `SELECT count(*) FROM `+f.Tables.Messages)
+	for _, args := range [][]string{{"retention"}, {"retention", f.Topic}} {
+		code, _, stderr := sqlbrokerCmd(t, nil, append(args, "-url", testdb.URL())...)
+		assert.Equal(t, 2, code, args)
+		assert.Contains(t, stderr, "-older-than", args)
+	}
+	assert.Equal(t, before, f.Int(t, `SELECT count(*) FROM `+f.Tables.Messages), "nothing deleted")
+}
+
+// inspect of a topic that does not exist fails and says so, instead of a raw SQL error.
+func TestCommand_inspectNoSuchTopic(t *testing.T) {
+	t.Parallel()
+	code, _, stderr := sqlbrokerCmd(t, nil, "inspect", "-topic", "nosuch-topic-x", "-url", testdb.URL())
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, `no such topic "nosuch-topic-x"`)
+	assert.NotContains(t, stderr, "does not exist")
+}
+
+// migrate-watermill-sql wants its group, and names watermill-sql's table when it is missing.
+func TestCommand_migrateWatermillSQLErrors(t *testing.T) {
+	t.Parallel()
+	code, _, stderr := sqlbrokerCmd(t, nil, "migrate-watermill-sql", "orders", "-url", testdb.URL())
+	assert.Equal(t, 2, code)
+	assert.Contains(t, stderr, "-group")
+
+	code, _, stderr = sqlbrokerCmd(t, nil, "migrate-watermill-sql", "nosuch-wsql-topic", "-group", "g", "-dry-run", "-url", testdb.URL())
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, `"watermill_nosuch-wsql-topic"`)
+	assert.Contains(t, stderr, "no such table")
 }

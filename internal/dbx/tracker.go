@@ -225,6 +225,12 @@ func (t *Tracker) run(ctx context.Context, kind string, limit time.Duration, fnq
 		// The statement ended before the cancel arrived: a cancel may still be pending for
 		// the connection's next statement, so the connection goes.
 		t.destroy(conn)
+		if err != nil && c.closes.Load() && SQLState(err) == "" {
+			// A driver that gives the statement up on its side reports that without the
+			// server's word (lib/pq: driver.ErrBadConn when the cancel beat the statement
+			// out): the call ended for its reason.
+			err = errors.Join(reason, err)
+		}
 	}
 	return t.finish(c, err)
 }

@@ -88,9 +88,3 @@ const (
 func BackendAlive(ctx context.Context, q dbx.Querier, pid uint32) (bool, error) {
 	return databaseOf(dbx.DialectOf(q)).backendAlive(ctx, q, pid)
 }
-
-// Notify sends payload on channel (a NOTIFY, delivered when the transaction commits, at once
-// outside one); it does nothing where the database has no NOTIFY (dbx.Dialect.Notify).
-func Notify(ctx context.Context, q dbx.Querier, channel, payload string) error {
-	return databaseOf(dbx.DialectOf(q)).notify(ctx, q, channel, payload)
-}

@@ -37,7 +37,7 @@ func TestTables_onPicksTheDatabase(t *testing.T) {
 }
 
 // BackendAlive sees a live backend and no dead one on PostgreSQL, and refuses on SQLite,
-// which has no server processes; Notify does nothing there.
+// which has no server processes; NotifyTable does nothing there.
 func TestBackendAliveAndNotify(t *testing.T) {
 	ctx := context.Background()
 	pool := dbx.NewPgxPool(testdb.Pgx(t))
@@ -56,7 +56,7 @@ func TestBackendAliveAndNotify(t *testing.T) {
 	if alive, err := offsets.BackendAlive(ctx, pool, 0); err != nil || alive {
 		t.Fatalf("pid 0: %v, %v", alive, err)
 	}
-	if err := offsets.Notify(ctx, pool, "sqlbroker_test_notify", "x"); err != nil {
+	if err := offsets.NotifyTable(ctx, pool, "sqlbroker_test_notify", "x"); err != nil {
 		t.Fatal(err)
 	}
 
@@ -64,8 +64,8 @@ func TestBackendAliveAndNotify(t *testing.T) {
 	if _, err := offsets.BackendAlive(ctx, lite, 1); err == nil {
 		t.Fatal("BackendAlive on SQLite: no error")
 	}
-	if err := offsets.Notify(ctx, lite, "c", "x"); err != nil {
-		t.Fatalf("Notify on SQLite: %v", err)
+	if err := offsets.NotifyTable(ctx, lite, "c", "x"); err != nil {
+		t.Fatalf("NotifyTable on SQLite: %v", err)
 	}
 	if _, _, err := offsets.FindTopics(ctx, lite, "", "sqlbroker_", 10); !errors.Is(err, offsets.ErrNoInspection) {
 		t.Fatalf("FindTopics on SQLite: %v", err)

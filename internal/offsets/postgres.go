@@ -525,8 +525,12 @@ func (s postgres) insertSQL(n int, channel string, delayed bool) string {
 
 func (postgres) deliverAt(at time.Time) any { return at }
 
+// notifySQL sends one NOTIFY on channel $1 with payload $2: a function call, so that both
+// are parameters (a NOTIFY statement takes neither as one).
+const notifySQL = `SELECT pg_notify($1, $2)`
+
 func (postgres) notify(ctx context.Context, q dbx.Querier, channel, payload string) error {
-	_, err := q.Exec(ctx, "SELECT pg_notify($1, $2)", channel, payload)
+	_, err := q.Exec(ctx, notifySQL, channel, payload)
 	return err
 }
 

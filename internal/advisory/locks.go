@@ -1,0 +1,191 @@
+package advisory
+
+import (
+	"context"
+	"errors"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+)
+
+// TryLock tries the locks of exactly the given offsets, without waiting, and returns those it
+// took together with the generation they were taken under. An offset whose lock this Conn
+// already holds is not tried again (session locks are re-entrant, and a second hold would
+// outlive the first unlock) and is not returned. An error means no lock was taken. stop ending
+// cancels the statement on the server (see Options.Stop); the error then wraps ErrCancelled.
+func (c *Conn) TryLock(stop context.Context, offsets []int64) ([]int64, uint64, error) {
+	if len(offsets) == 0 {
+		return nil, c.Gen(), nil
+	}
+	var locked []int64
+	gen, err := c.locking(stop, func(held map[int64]uint64) []int64 {
+		try := make([]int64, 0, len(offsets))
+		for _, o := range offsets {
+			if _, ok := held[o]; !ok {
+				try = append(try, o)
+			}
+		}
+		return try
+	}, func(ctx context.Context, q dbx.Querier, try []int64) ([]int64, error) {
+		if len(try) == 0 {
+			return nil, nil
+		}
+		var err error
+		locked, err = dbx.ScanInt64s(q.Query(ctx, tryLockSQL, c.opt.Key1, try))
+		return locked, err
+	})
+	if err != nil {
+		return nil, 0, err
+	}
+	return locked, gen, nil
+}
+
+// Claim runs claim on the lock connection, with the offsets whose locks the connection holds
+// already (claim must not lock those again: session locks are re-entrant). claim locks the
+// offsets it returns in the statement that claims them (offsets.Store.ClaimLocked), so a claim
+// becomes visible to others only with its lock held. Claim returns the generation the locks
+// were taken under. A claim that fails takes nothing: locks its statement took before it
+// failed are dropped again. stop ending cancels the statement on the server (see
+// Options.Stop); the error then wraps ErrCancelled.
+func (c *Conn) Claim(stop context.Context, claim func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error)) (uint64, error) {
+	return c.locking(stop, func(held map[int64]uint64) []int64 {
+		out := make([]int64, 0, len(held))
+		for o := range held {
+			out = append(out, o)
+		}
+		return out
+	}, claim)
+}
+
+// locking runs one statement that takes locks: args builds its argument from the bookkeeping,
+// fn runs it and returns the offsets it locked, which are then held under the generation
+// returned.
+func (c *Conn) locking(stop context.Context, args func(held map[int64]uint64) []int64,
+	fn func(ctx context.Context, q dbx.Querier, arg []int64) ([]int64, error)) (uint64, error) {
+	conn, gen, err := c.turnOn()
+	if err != nil {
+		return 0, err
+	}
+	c.mu.Lock()
+	arg := args(c.held)
+	c.mu.Unlock()
+	var locked []int64
+	err = c.statement(stop, conn, func(ctx context.Context) error {
+		var err error
+		locked, err = fn(ctx, conn, arg)
+		return err
+	})
+	if err != nil {
+		lost := c.failed(conn, err)
+		c.give()
+		c.report(lost)
+		return 0, err
+	}
+	c.mu.Lock()
+	for _, o := range locked {
+		c.held[o] = gen
+	}
+	c.mu.Unlock()
+	c.give()
+	return gen, nil
+}
+
+// Query runs fn, statements that take no lock (reads of the claims, the takeover of claims
+// whose locks are held already), on the lock connection, so that stop ending cancels them on
+// the server as it cancels a claim (see Options.Stop).
+func (c *Conn) Query(stop context.Context, fn func(ctx context.Context, q dbx.Querier) error) error {
+	conn, _, err := c.turnOn()
+	if err != nil {
+		return err
+	}
+	err = c.statement(stop, conn, func(ctx context.Context) error { return fn(ctx, conn) })
+	var lost []int64
+	if err != nil {
+		lost = c.failed(conn, err)
+	}
+	c.give()
+	c.report(lost)
+	return err
+}
+
+// Unlock drops the locks of the offsets taken under generation gen and returns how many it
+// dropped. Offsets this Conn does not hold under gen (the connection was lost since) are
+// skipped. PostgreSQL saying that it did not hold a lock the bookkeeping says it held is a bug,
+// and is logged as one.
+func (c *Conn) Unlock(offsets []int64, gen uint64) (int, error) {
+	c.take()
+	c.mu.Lock()
+	if c.conn == nil || gen != c.gen {
+		c.mu.Unlock()
+		c.give()
+		return 0, nil
+	}
+	conn := c.conn
+	mine := make([]int64, 0, len(offsets))
+	for _, o := range offsets {
+		if g, ok := c.held[o]; ok && g == gen {
+			mine = append(mine, o)
+		}
+	}
+	c.mu.Unlock()
+	n, lost, err := c.unlock(conn, mine)
+	c.give()
+	c.report(lost)
+	return n, err
+}
+
+// unlock unlocks offsets the bookkeeping holds; the turn is held. If the statement fails on a
+// live connection, the offsets leave the bookkeeping and reconcile drops whichever of them is
+// still held: all of them are then unlocked.
+func (c *Conn) unlock(conn dbx.Conn, offsets []int64) (int, []int64, error) {
+	if len(offsets) == 0 {
+		return 0, nil, nil
+	}
+	var confirmed, refused []int64
+	err := c.statement(nil, conn, func(ctx context.Context) error {
+		rows, err := conn.Query(ctx, unlockSQL, c.opt.Key1, offsets)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var o int64
+			var ok bool
+			if err := rows.Scan(&o, &ok); err != nil {
+				return err
+			}
+			if ok {
+				confirmed = append(confirmed, o)
+			} else {
+				refused = append(refused, o)
+			}
+		}
+		return rows.Err()
+	})
+	if err != nil {
+		c.mu.Lock()
+		for _, o := range offsets {
+			delete(c.held, o)
+		}
+		c.mu.Unlock()
+		if lost := c.failed(conn, err); lost != nil || !dbx.StatementFailed(err) {
+			return 0, lost, err
+		}
+		return len(offsets), nil, nil // reconcile dropped what the statement left
+	}
+	c.mu.Lock()
+	for _, o := range confirmed {
+		delete(c.held, o)
+	}
+	for _, o := range refused {
+		delete(c.held, o)
+	}
+	c.mu.Unlock()
+	for _, o := range refused {
+		c.opt.Logger.Error("BUG: advisory unlock returned false for a lock the subscriber's bookkeeping says it held",
+			errors.New("advisory: unlock of a lock not held"),
+			watermill.LogFields{"key1": c.opt.Key1, "offset": o, "key2": Key2(o)})
+	}
+	return len(confirmed), nil, nil
+}
