@@ -3,7 +3,6 @@ package sqlbroker
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/advisory"
@@ -95,9 +94,13 @@ func (c *AdminConfig) validate() error {
 // shares nothing with the publishers and subscribers of the process, and waits on none of
 // them: every call runs its own statements on db, bounded on the server by StatementTimeout.
 type Admin struct {
-	db     dbx.Pool
-	config AdminConfig
-	sqlite bool // on SQLite: the dead-letter tools, Peek and Prune only
+	db      dbx.Pool
+	config  AdminConfig
+	dialect dbx.Dialect
+	// sqlite is dialect == dbx.SQLite, for deadletter_admin.go's read.
+	//
+	// Deprecated: ask dialect for the capability needed.
+	sqlite bool
 }
 
 // NewAdmin builds an Admin on db, which must wrap a pool (Pgx, StdSQL or SQLite). On SQLite
@@ -111,19 +114,25 @@ func NewAdmin(db DB, config AdminConfig) (*Admin, error) {
 	if err := config.validate(); err != nil {
 		return nil, err
 	}
-	if db.sqlite() && config.Schema != "" {
-		return nil, &ConfigError{Field: "Schema", Value: config.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
+	if err := schemaOn(db.dialect(), config.Schema); err != nil {
+		return nil, err
 	}
-	return &Admin{db: db.pool, config: config, sqlite: db.sqlite()}, nil
+	return &Admin{db: db.pool, config: config, dialect: db.dialect(), sqlite: db.dialect() == dbx.SQLite}, nil
 }
 
-// postgresOnly refuses, on SQLite, a method that reads PostgreSQL's catalog.
-func (a *Admin) postgresOnly(method string) error {
-	if !a.sqlite {
+// inspects refuses, on a database without the operator statements (SQLite), a method that
+// reads PostgreSQL's catalog.
+func (a *Admin) inspects(method string) error {
+	if offsets.Inspects(a.dialect) {
 		return nil
 	}
-	return &ConfigError{Field: "db", Value: "SQLite", Reason: "Admin." + method + " reads PostgreSQL's catalog and is PostgreSQL's only"}
+	return &ConfigError{Field: "db", Value: a.dialect.Name, Reason: "Admin." + method + " reads PostgreSQL's catalog and is PostgreSQL's only"}
 }
+
+// postgresOnly is inspects.
+//
+// Deprecated: call inspects, or ask a.dialect for the capability the method needs.
+func (a *Admin) postgresOnly(method string) error { return a.inspects(method) }
 
 // Inspection is the state of topics, as Inspect read it.
 type Inspection struct {
@@ -228,7 +237,7 @@ type InspectOptions struct {
 // (long names) and whose tables were created before this version of the library appears
 // under its shortened name, which ends with '#' and a hash.
 func (a *Admin) Topics(ctx context.Context) ([]string, bool, error) {
-	if err := a.postgresOnly("Topics"); err != nil {
+	if err := a.inspects("Topics"); err != nil {
 		return nil, false, err
 	}
 	found, more, err := offsets.FindTopics(ctx, a.db, a.config.Schema, a.config.TablePrefix, a.config.MaxTopics)
@@ -248,7 +257,7 @@ func (a *Admin) Topics(ctx context.Context) ([]string, bool, error) {
 // others are still read. ctx bounds the whole call.
 func (a *Admin) Inspect(ctx context.Context, opts InspectOptions) (Inspection, error) {
 	var ins Inspection
-	if err := a.postgresOnly("Inspect"); err != nil {
+	if err := a.inspects("Inspect"); err != nil {
 		return ins, err
 	}
 	var tables []offsets.Tables
@@ -343,18 +352,14 @@ func (a *Admin) readOnly(ctx context.Context, fn func(dbx.Querier) error) error 
 	})
 }
 
+// limits bounds the statements of tx by StatementTimeout where the database can (elsewhere
+// ctx bounds them), and sets its access mode.
 func (a *Admin) limits(ctx context.Context, tx dbx.Querier, readOnly bool) error {
-	if a.sqlite {
-		return nil // a statement is bounded by ctx; a write transaction is BEGIN IMMEDIATE
-	}
-	ms := strconv.FormatInt(a.config.StatementTimeout.Milliseconds(), 10)
-	ro := "off"
+	access := dbx.TxAccessReadWrite
 	if readOnly {
-		ro = "on"
+		access = dbx.TxAccessReadOnly
 	}
-	_, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $1, true),
-	set_config('transaction_read_only', $2, true)`, ms, ro)
-	return err
+	return dbx.SetTxTimeouts(ctx, tx, a.config.StatementTimeout.Milliseconds(), access)
 }
 
 func (a *Admin) advisoryHolders(ctx context.Context) (map[[2]int32]int64, error) {
@@ -374,7 +379,7 @@ func (a *Admin) tables(topic string) (offsets.Tables, error) {
 	if err := validateName("topic", topic); err != nil {
 		return offsets.Tables{}, err
 	}
-	return tablesFor(a.config.Schema, a.config.TablePrefix, topic, a.sqlite), nil
+	return tablesOn(a.dialect, a.config.Schema, a.config.TablePrefix, topic), nil
 }
 
 // group validates topic and group, and checks that the topic's tables exist.
@@ -414,7 +419,7 @@ func (a *Admin) ResetGroupToTime(ctx context.Context, topic, group string, at ti
 }
 
 func (a *Admin) reset(ctx context.Context, topic, group string, offset int64, at time.Time, byTime bool) (int64, error) {
-	if err := a.postgresOnly("ResetGroup"); err != nil {
+	if err := a.inspects("ResetGroup"); err != nil {
 		return 0, err
 	}
 	t, err := a.group(ctx, topic, group)
@@ -433,7 +438,7 @@ func (a *Admin) reset(ctx context.Context, topic, group string, offset int64, at
 // still runs stops receiving; one that subscribes later starts the group anew (at the
 // oldest message kept, or at the newest with StartAtNewest).
 func (a *Admin) DeleteGroup(ctx context.Context, topic, group string) (int64, error) {
-	if err := a.postgresOnly("DeleteGroup"); err != nil {
+	if err := a.inspects("DeleteGroup"); err != nil {
 		return 0, err
 	}
 	t, err := a.group(ctx, topic, group)

@@ -295,10 +295,10 @@ func (b *Broker) InitializeSchema(ctx context.Context, config PublisherConfig, t
 		if err := validateTopic(topic); err != nil {
 			return err
 		}
-		if b.driver == "sqlite" && config.Schema != "" {
-			return &ConfigError{Field: "Schema", Value: config.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
+		if err := schemaOn(b.pool.Dialect(), config.Schema); err != nil {
+			return err
 		}
-		if err := tablesFor(config.Schema, config.TablePrefix, topic, b.driver == "sqlite").Create(ctx, b.pool); err != nil {
+		if err := tablesOn(b.pool.Dialect(), config.Schema, config.TablePrefix, topic).Create(ctx, b.pool); err != nil {
 			return publicErr(fmt.Errorf("sqlbroker: creating the tables of %q: %w", topic, err))
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
@@ -447,12 +448,26 @@ func (c *SubscriberConfig) validate() error {
 }
 
 // validateSQLite refuses what a SQLite database cannot do.
-func (c *SubscriberConfig) validateSQLite() error {
-	if c.ClaimMode == ClaimAdvisoryLock {
-		return &ConfigError{Field: "ClaimMode", Value: c.ClaimMode.String(), Reason: "needs PostgreSQL's session advisory locks, which SQLite does not have: use ClaimLease (the lease mode) on SQLite"}
+func (c *SubscriberConfig) validateSQLite() error { return c.validateOn(dbx.SQLite) }
+
+// validateOn checks the config against what the database of dialect d can do.
+func (c *SubscriberConfig) validateOn(d dbx.Dialect) error {
+	if c.ClaimMode == ClaimAdvisoryLock && !d.AdvisoryLocks {
+		return &ConfigError{Field: "ClaimMode", Value: c.ClaimMode.String(), Reason: "needs PostgreSQL's session advisory locks, which " + d.Name + " does not have: use ClaimLease (the lease mode) on " + d.Name}
 	}
-	if c.Schema != "" {
-		return &ConfigError{Field: "Schema", Value: c.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
+	return schemaOn(d, c.Schema)
+}
+
+// schemaOn refuses a Schema on a database that has no schemas.
+func schemaOn(d dbx.Dialect, schema string) error {
+	if schema != "" && !d.Schemas {
+		return &ConfigError{Field: "Schema", Value: schema, Reason: "is PostgreSQL's: a " + d.Name + " database has no schemas, leave it empty"}
 	}
 	return nil
 }
+
+// ConsumerGroup is the consumer group the subscriber claims for (after defaults).
+func (s *Subscriber) ConsumerGroup() string { return s.config.ConsumerGroup }
+
+// ClaimMode is the subscriber's claim mode.
+func (s *Subscriber) ClaimMode() ClaimMode { return s.config.ClaimMode }

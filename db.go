@@ -80,8 +80,18 @@ func StdTx(tx *sql.Tx) DB {
 
 func (d DB) valid() bool { return d.pool != nil || d.tx != nil }
 
+// dialect says what d's database can do.
+func (d DB) dialect() dbx.Dialect {
+	if d.tx != nil {
+		return dbx.DialectOf(d.tx)
+	}
+	return dbx.DialectOf(d.pool)
+}
+
 // sqlite reports whether d is a SQLite database.
-func (d DB) sqlite() bool { return dbx.IsSQLite(d.pool) || dbx.IsSQLite(d.tx) }
+//
+// Deprecated: ask dialect for the capability needed.
+func (d DB) sqlite() bool { return d.dialect() == dbx.SQLite }
 
 // querier is where statements of a publisher run.
 func (d DB) querier() dbx.Querier {

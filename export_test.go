@@ -8,7 +8,7 @@ import (
 
 // QueuedCalls is the number of grouped Publish calls of p waiting for topic's next statement.
 func QueuedCalls(p *Publisher, topic string) int {
-	table := tablesFor(p.config.Schema, p.config.TablePrefix, topic, p.db.sqlite()).Messages
+	table := tablesOn(p.db.dialect(), p.config.Schema, p.config.TablePrefix, topic).Messages
 	return p.grouped.queued(table)
 }
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -71,12 +70,12 @@ func (c *KeyRepositoryConfig) setDefaults() {
 	}
 }
 
-func (c *KeyRepositoryConfig) validate(sqlite bool) error {
+func (c *KeyRepositoryConfig) validate(d dbx.Dialect) error {
 	if err := validateIdentifier("Schema", c.Schema, maxSchemaNameLength, true); err != nil {
 		return err
 	}
-	if sqlite && c.Schema != "" {
-		return &ConfigError{Field: "Schema", Value: c.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
+	if err := schemaOn(d, c.Schema); err != nil {
+		return err
 	}
 	if err := validateIdentifier("Table", c.Table, maxKeyTableLength, false); err != nil {
 		return err
@@ -122,12 +121,12 @@ func NewKeyRepository(db DB, config KeyRepositoryConfig) (*KeyRepository, error)
 		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL or sqlbroker.SQLite (a transaction goes to WithTx)"}
 	}
 	config.setDefaults()
-	if err := config.validate(db.sqlite()); err != nil {
+	if err := config.validate(db.dialect()); err != nil {
 		return nil, err
 	}
 	r := &KeyRepository{
 		pool:   db.pool,
-		table:  offsets.NewKeyTable(config.Schema, config.Table, db.sqlite()),
+		table:  offsets.NewKeyTable(db.dialect(), config.Schema, config.Table),
 		config: config,
 		stop:   make(chan struct{}),
 		done:   make(chan struct{}),
@@ -147,20 +146,20 @@ func NewKeyRepository(db DB, config KeyRepositoryConfig) (*KeyRepository, error)
 func KeyRepositorySchemaSQL(schema, table string) (string, error) {
 	c := KeyRepositoryConfig{Schema: schema, Table: table}
 	c.setDefaults()
-	if err := c.validate(false); err != nil {
+	if err := c.validate(dbx.Postgres); err != nil {
 		return "", err
 	}
-	return offsets.NewKeyTable(c.Schema, c.Table, false).SchemaSQL(), nil
+	return offsets.NewKeyTable(dbx.Postgres, c.Schema, c.Table).SchemaSQL(), nil
 }
 
 // KeyRepositorySQLiteSchemaSQL is KeyRepositorySchemaSQL for SQLite.
 func KeyRepositorySQLiteSchemaSQL(table string) (string, error) {
 	c := KeyRepositoryConfig{Table: table}
 	c.setDefaults()
-	if err := c.validate(true); err != nil {
+	if err := c.validate(dbx.SQLite); err != nil {
 		return "", err
 	}
-	return offsets.NewKeyTable("", c.Table, true).SchemaSQL(), nil
+	return offsets.NewKeyTable(dbx.SQLite, "", c.Table).SchemaSQL(), nil
 }
 
 // IsDuplicate reports whether key was seen within the window; if not, it remembers it from
@@ -255,12 +254,10 @@ func (r *KeyRepository) Prune(ctx context.Context) (int64, error) {
 	for {
 		var n int64
 		err := dbx.InTx(ctx, r.pool, func(tx dbx.Tx) error {
-			if !r.table.IsSQLite() {
-				// Bounded on the server: a statement in flight is awaited by Close, never cut.
-				ms := strconv.FormatInt(DefaultAdminStatementTimeout.Milliseconds(), 10)
-				if _, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $1, true)`, ms); err != nil {
-					return err
-				}
+			// Bounded on the server where it can be: a statement in flight is awaited by
+			// Close, never cut.
+			if err := dbx.SetTxTimeouts(ctx, tx, DefaultAdminStatementTimeout.Milliseconds(), dbx.TxAccessAsIs); err != nil {
+				return err
 			}
 			var err error
 			n, err = r.table.Prune(ctx, tx, keyPruneBatch)

@@ -10,30 +10,37 @@ import (
 
 // topics caches, per topic, the prepared SQL and whether its schema was created or checked.
 type topics struct {
+	dialect        dbx.Dialect // of the database the tables are in
 	schema, prefix string
 	asyncCommit    bool
-	sqlite         bool // the tables are in a SQLite database
 
 	mu    sync.Mutex
 	ready map[string]*offsets.Store
 }
 
+func newTopicsOn(d dbx.Dialect, schema, prefix string, asyncCommit bool) *topics {
+	return &topics{dialect: d, schema: schema, prefix: prefix, asyncCommit: asyncCommit, ready: map[string]*offsets.Store{}}
+}
+
+// newTopics is newTopicsOn for the database sqlite names.
+//
+// Deprecated: call newTopicsOn(db.dialect(), ...).
 func newTopics(schema, prefix string, asyncCommit, sqlite bool) *topics {
-	return &topics{schema: schema, prefix: prefix, asyncCommit: asyncCommit, sqlite: sqlite, ready: map[string]*offsets.Store{}}
+	d := dbx.Postgres
+	if sqlite {
+		d = dbx.SQLite
+	}
+	return newTopicsOn(d, schema, prefix, asyncCommit)
 }
 
 // tables names the tables of topic, on the database of t.
 func (t *topics) tables(topic string) offsets.Tables {
-	return tablesFor(t.schema, t.prefix, topic, t.sqlite)
+	return tablesOn(t.dialect, t.schema, t.prefix, topic)
 }
 
-// tablesFor names the tables of topic, on SQLite when sqlite is set.
-func tablesFor(schema, prefix, topic string, sqlite bool) offsets.Tables {
-	tb := offsets.NewTables(schema, prefix, topic)
-	if sqlite {
-		tb = tb.OnSQLite()
-	}
-	return tb
+// tablesOn names the tables of topic in a database of dialect d.
+func tablesOn(d dbx.Dialect, schema, prefix, topic string) offsets.Tables {
+	return offsets.NewTables(schema, prefix, topic).On(d)
 }
 
 // cached returns the statements of topic when an earlier call of store has checked its tables.

@@ -1,8 +1,8 @@
-// Package dbx is the one seam between the library and the database drivers it supports: on
-// PostgreSQL, pgx/v5 (a *pgxpool.Pool) and database/sql (lib/pq, or pgx's stdlib); on SQLite,
-// database/sql with modernc.org/sqlite. Everything above this package speaks only these
-// interfaces; every driver-specific detail (argument conversion, cancellation, connection
-// identity, SQLite's write lock) stays in the adapter files (pgx.go, std.go, sqlite.go).
+// Package dbx is the seam between the library and its database drivers: pgx/v5 and
+// database/sql (lib/pq, pgx's stdlib) on PostgreSQL, database/sql with modernc.org/sqlite on
+// SQLite. Above it, code speaks only these interfaces and asks a Dialect what the database can
+// do; every driver detail (argument conversion, cancellation, connection identity, SQLite's
+// write gate) stays in the adapter files (pgx.go, std.go, sqlite.go).
 package dbx
 
 import (
@@ -10,12 +10,30 @@ import (
 	"errors"
 )
 
-// Querier runs statements. SQL text uses $n placeholders, which both drivers accept.
+// Querier runs statements. SQL text uses $n placeholders, which every driver accepts.
+//
+// A statement says itself whether it writes: Exec runs one that writes, Query one that only
+// reads, and QueryWrite (below) one that writes and returns rows. SQLite lets one writer of the
+// process at a time through (see SQLitePool); PostgreSQL makes no difference.
 type Querier interface {
-	// Exec runs a statement and returns the number of rows it affected.
+	// Exec runs a statement that writes and returns the number of rows it affected.
 	Exec(ctx context.Context, sql string, args ...any) (int64, error)
-	// Query runs a statement that returns rows. The caller must Close the rows.
+	// Query runs a statement that reads and returns rows. The caller must Close the rows.
 	Query(ctx context.Context, sql string, args ...any) (Rows, error)
+}
+
+// writeQuerier is a Querier whose row-returning writes differ from its reads.
+type writeQuerier interface {
+	QueryWrite(ctx context.Context, sql string, args ...any) (Rows, error)
+}
+
+// QueryWrite runs on q a statement that writes and returns rows (RETURNING). The caller must
+// Close the rows.
+func QueryWrite(ctx context.Context, q Querier, sql string, args ...any) (Rows, error) {
+	if w, ok := q.(writeQuerier); ok {
+		return w.QueryWrite(ctx, sql, args...)
+	}
+	return q.Query(ctx, sql, args...)
 }
 
 // Rows is the result of Query.
@@ -69,8 +87,10 @@ type Pool interface {
 	Close()
 	// OpenConns is the number of connections the pool has open now.
 	OpenConns() int
-	// Driver names the driver: "pgx" or "database/sql".
+	// Driver names the driver: "pgx", "database/sql" or "sqlite".
 	Driver() string
+	// Dialect says what the database can do.
+	Dialect() Dialect
 }
 
 // Listenable is a pool that can keep a LISTEN connection (pgx; database/sql cannot receive
@@ -84,9 +104,19 @@ type Listenable interface {
 // ErrNoRows is returned by QueryRow-style helpers when the statement returned no row.
 var ErrNoRows = errors.New("dbx: no rows in result set")
 
-// QueryRow runs a statement expected to return one row and scans it into dest.
+// QueryRow runs a statement that reads, expected to return one row, and scans it into dest.
 func QueryRow(ctx context.Context, q Querier, sql string, args []any, dest ...any) error {
 	rows, err := q.Query(ctx, sql, args...)
+	return scanOne(rows, err, dest)
+}
+
+// QueryRowWrite is QueryRow for a statement that writes and returns one row.
+func QueryRowWrite(ctx context.Context, q Querier, sql string, args []any, dest ...any) error {
+	rows, err := QueryWrite(ctx, q, sql, args...)
+	return scanOne(rows, err, dest)
+}
+
+func scanOne(rows Rows, err error, dest []any) error {
 	if err != nil {
 		return err
 	}

@@ -73,7 +73,8 @@ type PgxPool struct {
 // NewPgxPool wraps p.
 func NewPgxPool(p *pgxpool.Pool) *PgxPool { return &PgxPool{pgxQ: pgxQ{p}, Pool: p} }
 
-func (p *PgxPool) Driver() string { return "pgx" }
+func (p *PgxPool) Driver() string   { return "pgx" }
+func (p *PgxPool) Dialect() Dialect { return Postgres }
 
 func (p *PgxPool) Begin(ctx context.Context) (Tx, error) {
 	tx, err := p.Pool.Begin(ctx)

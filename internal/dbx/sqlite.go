@@ -24,8 +24,9 @@ const SQLiteBusyTimeoutMS = 5000
 // SQLite has one writer at a time. Every transaction the library opens on it begins with
 // BEGIN IMMEDIATE, which takes the write lock at once (waiting for it up to the busy
 // timeout): a transaction that read first and wrote later could otherwise fail with
-// SQLITE_BUSY, without waiting, when another writer committed in between. Single write
-// statements take the write lock when they start and wait for it the same way.
+// SQLITE_BUSY, without waiting, when another writer committed in between. A write outside a
+// transaction (Exec, QueryWrite) passes the process's write gate of the file first; a read
+// (Query) passes none.
 //
 // Every connection is checked once before its first use (see setUp): it must be in WAL mode
 // (journal_mode is a property of the file: the library sets it when the file is not), and it
@@ -176,14 +177,10 @@ func SQLiteRegistered() bool {
 	return false
 }
 
-// IsSQLite reports whether q runs on SQLite (a pool, connection or transaction of this file).
-func IsSQLite(q any) bool {
-	switch q.(type) {
-	case *SQLitePool, *sqliteConn, *sqliteTx, SQLiteCallerTx:
-		return true
-	}
-	return false
-}
+func (p *SQLitePool) Dialect() Dialect  { return SQLite }
+func (c *sqliteConn) Dialect() Dialect  { return SQLite }
+func (t *sqliteTx) Dialect() Dialect    { return SQLite }
+func (SQLiteCallerTx) Dialect() Dialect { return SQLite }
 
 // SQLiteConfigError says why a caller's *sql.DB cannot be used as the library needs it.
 type SQLiteConfigError struct{ Reason string }
@@ -346,11 +343,19 @@ func (p *SQLitePool) Exec(ctx context.Context, query string, args ...any) (int64
 }
 
 func (p *SQLitePool) Query(ctx context.Context, query string, args ...any) (Rows, error) {
+	return p.query(ctx, false, query, args)
+}
+
+func (p *SQLitePool) QueryWrite(ctx context.Context, query string, args ...any) (Rows, error) {
+	return p.query(ctx, true, query, args)
+}
+
+func (p *SQLitePool) query(ctx context.Context, write bool, query string, args []any) (Rows, error) {
 	c, err := p.conn(ctx)
 	if err != nil {
 		return nil, err
 	}
-	rows, err := c.Query(ctx, query, args...)
+	rows, err := c.query(ctx, write, query, args)
 	if err != nil {
 		c.Release()
 		return nil, err
@@ -414,20 +419,10 @@ type InterruptedError struct{ Err error }
 func (e *InterruptedError) Error() string { return "sqlite: statement interrupted: " + e.Err.Error() }
 func (e *InterruptedError) Unwrap() error { return e.Err }
 
-// writes reports whether query writes (anything but a SELECT or a PRAGMA read).
-func writes(query string) bool {
-	q := strings.TrimLeft(query, " \t\n")
-	if len(q) < 6 {
-		return true
-	}
-	head := strings.ToUpper(q[:6])
-	return head != "SELECT" && head != "PRAGMA"
-}
-
-// lockWrite takes the write gate for one statement outside a transaction of the library, and
-// returns its release.
-func (c *sqliteConn) lockWrite(ctx context.Context, query string) (func(), error) {
-	if c.inTx || !writes(query) {
+// lockWrite takes the write gate for one write statement outside a transaction of the
+// library, and returns its release.
+func (c *sqliteConn) lockWrite(ctx context.Context) (func(), error) {
+	if c.inTx {
 		return func() {}, nil
 	}
 	if err := c.gate.lock(ctx); err != nil {
@@ -439,7 +434,7 @@ func (c *sqliteConn) lockWrite(ctx context.Context, query string) (func(), error
 
 func (c *sqliteConn) Exec(ctx context.Context, query string, args ...any) (int64, error) {
 	ctx, done := c.track(ctx)
-	unlock, err := c.lockWrite(ctx, query)
+	unlock, err := c.lockWrite(ctx)
 	if err != nil {
 		return 0, done(err)
 	}
@@ -453,10 +448,21 @@ func (c *sqliteConn) Exec(ctx context.Context, query string, args ...any) (int64
 }
 
 func (c *sqliteConn) Query(ctx context.Context, query string, args ...any) (Rows, error) {
+	return c.query(ctx, false, query, args)
+}
+
+func (c *sqliteConn) QueryWrite(ctx context.Context, query string, args ...any) (Rows, error) {
+	return c.query(ctx, true, query, args)
+}
+
+func (c *sqliteConn) query(ctx context.Context, write bool, query string, args []any) (Rows, error) {
 	ctx, done := c.track(ctx)
-	unlock, err := c.lockWrite(ctx, query)
-	if err != nil {
-		return nil, done(err)
+	unlock := func() {}
+	if write {
+		var err error
+		if unlock, err = c.lockWrite(ctx); err != nil {
+			return nil, done(err)
+		}
 	}
 	rows, err := c.c.QueryContext(ctx, query, args...)
 	if err != nil {
@@ -552,6 +558,10 @@ func (t *sqliteTx) Exec(ctx context.Context, query string, args ...any) (int64, 
 
 func (t *sqliteTx) Query(ctx context.Context, query string, args ...any) (Rows, error) {
 	return t.c.Query(ctx, query, args...)
+}
+
+func (t *sqliteTx) QueryWrite(ctx context.Context, query string, args ...any) (Rows, error) {
+	return t.c.QueryWrite(ctx, query, args...)
 }
 
 func (t *sqliteTx) Commit(ctx context.Context) error {

@@ -79,7 +79,8 @@ type StdPool struct {
 // NewStdPool wraps db.
 func NewStdPool(db *sql.DB) *StdPool { return &StdPool{stdQ: stdQ{db}, DB: db} }
 
-func (p *StdPool) Driver() string { return "database/sql" }
+func (p *StdPool) Driver() string   { return "database/sql" }
+func (p *StdPool) Dialect() Dialect { return Postgres }
 
 func (p *StdPool) Begin(ctx context.Context) (Tx, error) {
 	tx, err := p.DB.BeginTx(ctx, nil)

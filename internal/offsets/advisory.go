@@ -36,7 +36,7 @@ import (
 //     a delayed message, whose lock is not tried, at its time (see delayedSQL); the position
 //     advances past all of them.
 //
-// with and cond are the asynchronous-commit prefix and condition of NewStore; due and r are
+// with and cond are the asynchronous-commit prefix and condition of pgTopic; due and r are
 // dueSQL and lockedAgainSQL, or noDueSQL and noneAgainSQL for a claim of new messages only.
 // The group row is locked, as in the lease mode, only when a message is waiting after its
 // position: an idle poll locks and writes nothing.
@@ -113,18 +113,7 @@ func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, t
 // ClaimLockedPassing is ClaimLocked that passes up to pass delayed messages besides the limit
 // it may claim, as ClaimPassing does.
 func (s *Store) ClaimLockedPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due bool, out []Claimed) ([]Claimed, error) {
-	if skip == nil {
-		skip = []int64{}
-	}
-	sql := s.claimLockedNewSQL
-	if due {
-		sql = s.claimLockedSQL
-	}
-	rows, err := q.Query(ctx, sql, groupID, token, key1, limit, skip, pass)
-	if err != nil {
-		return out, err
-	}
-	return scanClaimed(rows, out)
+	return s.db.claimLocked(ctx, q, groupID, token, limit, pass, key1, skip, due, out)
 }
 
 // HeldAfter returns up to limit offsets after offset after of claims of the group held by a
@@ -139,7 +128,7 @@ func (s *Store) HeldAfter(ctx context.Context, q dbx.Querier, groupID int32, aft
 // Adopt takes over the orphaned claims at offs, whose locks the caller holds, under token,
 // and returns the messages of those still unsettled.
 func (s *Store) Adopt(ctx context.Context, q dbx.Querier, groupID int32, token int64, offs []int64, out []Claimed) ([]Claimed, error) {
-	rows, err := q.Query(ctx, fmt.Sprintf(adoptSQL, s.T.Claims, s.T.Messages), groupID, token, offs)
+	rows, err := dbx.QueryWrite(ctx, q, fmt.Sprintf(adoptSQL, s.T.Claims, s.T.Messages), groupID, token, offs)
 	if err != nil {
 		return out, err
 	}

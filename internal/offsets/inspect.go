@@ -13,7 +13,40 @@ import (
 
 // The statements that read the state of a topic for operators (the sqlbroker command and the
 // metrics collector), and those that move or drop a consumer group. None of them runs in the
-// claim or settlement path.
+// claim or settlement path. Their text is the database's (inspectStatements); a database
+// without them refuses them with ErrNoInspection.
+
+// inspectStatements are the texts of the operator statements of a database. Those with %[n]s
+// verbs take a topic's tables: see each use.
+type inspectStatements struct {
+	find            string // tables of schema $1 whose names start with $2, with their comments, up to $3
+	inspect         string // every group of the topic: position, lag, claims, held back, ages
+	claims          string // the claims of the topic, by group and offset
+	resetFindOffset string // the first message kept at or after offset $1
+	resetFindTime   string // the first message written at or after $1
+	last            string // the last message in the order of delivery, and the highest offset
+	lockGroup       string // the group's row, locked for the transaction
+	setGroup        string // the group's new position
+	dropClaims      string // the group's claims
+	dropGroup       string // the group's row
+	horizon         string // the oldest transaction holding the horizon back
+	advisoryHolders string // the sessions holding message locks
+}
+
+// ErrNoInspection says that the database has no operator statements (listing topics,
+// inspecting or moving groups): they read a catalog only PostgreSQL has.
+var ErrNoInspection = errors.New("offsets: the database has no catalog to inspect")
+
+// Inspects reports whether a database of dialect d has the operator statements.
+func Inspects(d dbx.Dialect) bool { return databaseOf(d).inspection() != nil }
+
+// inspection returns the operator statements of db, or ErrNoInspection.
+func inspection(db database) (*inspectStatements, error) {
+	if sql := db.inspection(); sql != nil {
+		return sql, nil
+	}
+	return nil, ErrNoInspection
+}
 
 // topicCommentPrefix starts the comment of a groups table: the topic's name follows. It is
 // how a topic whose table names were shortened (see ident.TableName) is named again.
@@ -29,23 +62,16 @@ type Found struct {
 	Tables Tables
 }
 
-// findSQL lists, in schema $1 ("" = the search_path) the tables whose names start with $2,
-// with their comments, up to $3 rows. left() compares the prefix without LIKE, whose _ would
-// match any character.
-const findSQL = `SELECT n.nspname, c.relname, coalesce(obj_description(c.oid, 'pg_class'), '')
-FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE c.relkind IN ('r', 'p') AND left(c.relname, length($2)) = $2
-  AND (n.nspname = $1 OR $1 = '' AND pg_catalog.pg_table_is_visible(c.oid))
-  AND c.relname ~ '_(messages|groups|claims)$'
-ORDER BY n.nspname, c.relname
-LIMIT $3`
-
 // FindTopics lists up to limit topics whose tables exist in schema ("" = the schemas of the
 // search_path, where the library's unqualified names resolve) under prefix: a messages table
 // carrying the library's schema comment, with its groups and claims tables beside it. It
 // returns them by name and reports whether more may exist.
 func FindTopics(ctx context.Context, q dbx.Querier, schema, prefix string, limit int) ([]Found, bool, error) {
-	rows, err := q.Query(ctx, findSQL, schema, prefix, limit*3+3)
+	sql, err := inspection(databaseOf(dbx.DialectOf(q)))
+	if err != nil {
+		return nil, false, err
+	}
+	rows, err := q.Query(ctx, sql.find, schema, prefix, limit*3+3)
 	if err != nil {
 		return nil, false, err
 	}
@@ -162,37 +188,14 @@ type GroupState struct {
 	SinceMoved float64
 }
 
-// inspectSQL reads every consumer group of the topic, up to $2, in one statement: each
-// figure is a bounded index scan (the lag and the held-back messages stop at $1 rows, the
-// claims at $1 rows of the group's key range).
-const inspectSQL = `SELECT g."consumer_group", g."last_offset",
-	(SELECT count(*) FROM (SELECT 1 FROM %[1]s m
-		WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset") LIMIT $1) x),
-	coalesce((SELECT max(m."offset") FROM %[1]s m), 0),
-	cl.in_work, cl.waiting, cl.due,
-	(SELECT count(*) FROM (SELECT 1 FROM %[1]s m
-		WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
-		  AND m."xid" >= pg_snapshot_xmin(pg_current_snapshot()) LIMIT $1) x),
-	coalesce(extract(epoch FROM now() - least(
-		(SELECT m."created_at" FROM %[2]s c JOIN %[1]s m ON m."offset" = c."offset"
-			WHERE c."group_id" = g."group_id" ORDER BY c."offset" LIMIT 1),
-		(SELECT m."created_at" FROM %[1]s m
-			WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
-			ORDER BY m."xid", m."offset" LIMIT 1)))::float8, 0),
-	extract(epoch FROM now() - g."updated_at")::float8
-FROM %[3]s g,
-LATERAL (SELECT
-		count(*) FILTER (WHERE c."token" <> 0 AND c."visible_at" > now()) AS in_work,
-		count(*) FILTER (WHERE c."token" = 0 AND c."visible_at" > now()) AS waiting,
-		count(*) FILTER (WHERE c."visible_at" <= now()) AS due
-	FROM (SELECT c."token", c."visible_at" FROM %[2]s c WHERE c."group_id" = g."group_id" LIMIT $1) c) cl
-ORDER BY g."consumer_group"
-LIMIT $2`
-
 // Inspect reads the state of up to maxGroups consumer groups of the topic, counting at most
 // countCap rows for each figure.
 func (t Tables) Inspect(ctx context.Context, q dbx.Querier, countCap, maxGroups int) ([]GroupState, error) {
-	rows, err := q.Query(ctx, fmt.Sprintf(inspectSQL, t.Messages, t.Claims, t.Groups), countCap, maxGroups)
+	sql, err := inspection(t.database())
+	if err != nil {
+		return nil, err
+	}
+	rows, err := q.Query(ctx, fmt.Sprintf(sql.inspect, t.Messages, t.Claims, t.Groups), countCap, maxGroups)
 	if err != nil {
 		return nil, err
 	}
@@ -226,16 +229,13 @@ type ClaimRow struct {
 	In float64
 }
 
-const claimsSQL = `SELECT g."consumer_group", c."offset", c."attempts", c."token",
-	c."visible_at" = 'infinity',
-	CASE WHEN c."visible_at" = 'infinity' THEN 0 ELSE extract(epoch FROM c."visible_at" - now())::float8 END
-FROM %[1]s c JOIN %[2]s g ON g."group_id" = c."group_id"
-ORDER BY g."consumer_group", c."offset"
-LIMIT $1`
-
 // ListClaims returns up to limit claims of the topic, by group and offset.
 func (t Tables) ListClaims(ctx context.Context, q dbx.Querier, limit int) ([]ClaimRow, error) {
-	rows, err := q.Query(ctx, fmt.Sprintf(claimsSQL, t.Claims, t.Groups), limit)
+	sql, err := inspection(t.database())
+	if err != nil {
+		return nil, err
+	}
+	rows, err := q.Query(ctx, fmt.Sprintf(sql.claims, t.Claims, t.Groups), limit)
 	if err != nil {
 		return nil, err
 	}
@@ -254,20 +254,6 @@ func (t Tables) ListClaims(ctx context.Context, q dbx.Querier, limit int) ([]Cla
 // ErrNoGroup says that the consumer group has no row in the topic's groups table.
 var ErrNoGroup = errors.New("no such consumer group")
 
-// resetFindOffsetSQL and resetFindTimeSQL find the first message kept at or after an offset,
-// or written at or after a time; the group is then placed just before it. lastSQL finds the
-// last message in the order of delivery, after which the group is placed when there is none,
-// and the highest offset kept, below the offset of every message published later.
-const (
-	resetFindOffsetSQL = `SELECT m."xid"::text, m."offset" FROM %s m WHERE m."offset" >= $1 ORDER BY m."offset" LIMIT 1`
-	resetFindTimeSQL   = `SELECT m."xid"::text, m."offset" FROM %s m WHERE m."created_at" >= $1 ORDER BY m."offset" LIMIT 1`
-	lastSQL            = `SELECT m."xid"::text, m."offset", (SELECT max(x."offset") FROM %[1]s x) FROM %[1]s m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1`
-	lockGroupSQL       = `SELECT "group_id" FROM %s WHERE "consumer_group" = $1 FOR UPDATE`
-	setGroupSQL        = `UPDATE %s SET "last_xid" = $2::text::xid8, "last_offset" = $3, "updated_at" = now() WHERE "group_id" = $1`
-	dropClaimsSQL      = `DELETE FROM %s WHERE "group_id" = $1`
-	dropGroupSQL       = `DELETE FROM %s WHERE "group_id" = $1`
-)
-
 // ResetGroup moves the group's position so that the next message it is handed is the first
 // one kept at or after offset (byTime false) or written at or after the time at (byTime
 // true), and drops the group's claims: deliveries in work are then refused as stale. When no
@@ -276,18 +262,22 @@ const (
 // group's next message, or, when that message is still to be published, the lowest offset it
 // can have: one above the highest kept.
 func (t Tables) ResetGroup(ctx context.Context, b dbx.Beginner, group string, offset int64, at time.Time, byTime bool) (int64, error) {
+	sql, err := inspection(t.database())
+	if err != nil {
+		return 0, err
+	}
 	var next int64
-	err := dbx.InTx(ctx, b, func(tx dbx.Tx) error {
-		id, err := t.lockGroup(ctx, tx, group)
+	err = dbx.InTx(ctx, b, func(tx dbx.Tx) error {
+		id, err := t.lockGroup(ctx, tx, sql, group)
 		if err != nil {
 			return err
 		}
 		var xid string
 		var pos int64
 		if byTime {
-			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(resetFindTimeSQL, t.Messages), []any{at}, &xid, &next)
+			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(sql.resetFindTime, t.Messages), []any{at}, &xid, &next)
 		} else {
-			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(resetFindOffsetSQL, t.Messages), []any{offset}, &xid, &next)
+			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(sql.resetFindOffset, t.Messages), []any{offset}, &xid, &next)
 		}
 		switch {
 		case err == nil:
@@ -299,7 +289,7 @@ func (t Tables) ResetGroup(ctx context.Context, b dbx.Beginner, group string, of
 			// published comes after it, whatever offset was asked for, and its offset is above
 			// every offset kept.
 			var highest int64
-			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(lastSQL, t.Messages), nil, &xid, &pos, &highest)
+			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(sql.last, t.Messages), nil, &xid, &pos, &highest)
 			if errors.Is(err, dbx.ErrNoRows) {
 				xid, pos, highest, err = "0", 0, 0, nil
 			}
@@ -310,19 +300,19 @@ func (t Tables) ResetGroup(ctx context.Context, b dbx.Beginner, group string, of
 		default:
 			return err
 		}
-		if _, err := tx.Exec(ctx, fmt.Sprintf(dropClaimsSQL, t.Claims), id); err != nil {
+		if _, err := tx.Exec(ctx, fmt.Sprintf(sql.dropClaims, t.Claims), id); err != nil {
 			return err
 		}
-		_, err = tx.Exec(ctx, fmt.Sprintf(setGroupSQL, t.Groups), id, xid, pos)
+		_, err = tx.Exec(ctx, fmt.Sprintf(sql.setGroup, t.Groups), id, xid, pos)
 		return err
 	})
 	return next, err
 }
 
 // lockGroup locks the group's row for the transaction tx and returns its id, or ErrNoGroup.
-func (t Tables) lockGroup(ctx context.Context, tx dbx.Tx, group string) (int32, error) {
+func (t Tables) lockGroup(ctx context.Context, tx dbx.Tx, sql *inspectStatements, group string) (int32, error) {
 	var id int32
-	err := dbx.QueryRow(ctx, tx, fmt.Sprintf(lockGroupSQL, t.Groups), []any{group}, &id)
+	err := dbx.QueryRow(ctx, tx, fmt.Sprintf(sql.lockGroup, t.Groups), []any{group}, &id)
 	if errors.Is(err, dbx.ErrNoRows) {
 		return 0, ErrNoGroup
 	}
@@ -332,16 +322,20 @@ func (t Tables) lockGroup(ctx context.Context, tx dbx.Tx, group string) (int32, 
 // DeleteGroup drops the group's row and its claims, so that it no longer holds retention
 // back. It returns the number of claims dropped.
 func (t Tables) DeleteGroup(ctx context.Context, b dbx.Beginner, group string) (int64, error) {
+	sql, err := inspection(t.database())
+	if err != nil {
+		return 0, err
+	}
 	var n int64
-	err := dbx.InTx(ctx, b, func(tx dbx.Tx) error {
-		id, err := t.lockGroup(ctx, tx, group)
+	err = dbx.InTx(ctx, b, func(tx dbx.Tx) error {
+		id, err := t.lockGroup(ctx, tx, sql, group)
 		if err != nil {
 			return err
 		}
-		if n, err = tx.Exec(ctx, fmt.Sprintf(dropClaimsSQL, t.Claims), id); err != nil {
+		if n, err = tx.Exec(ctx, fmt.Sprintf(sql.dropClaims, t.Claims), id); err != nil {
 			return err
 		}
-		_, err = tx.Exec(ctx, fmt.Sprintf(dropGroupSQL, t.Groups), id)
+		_, err = tx.Exec(ctx, fmt.Sprintf(sql.dropGroup, t.Groups), id)
 		return err
 	})
 	return n, err
@@ -360,24 +354,15 @@ type Horizon struct {
 	Application, State, Database string
 }
 
-// horizonSQL finds the oldest transaction with an xid, in any database of the cluster:
-// running ones from pg_stat_activity (xact_start), prepared ones from pg_prepared_xacts.
-// backend_xid is shown to roles that may see the session (pg_read_all_stats).
-const horizonSQL = `SELECT * FROM (
-	SELECT extract(epoch FROM now() - a.xact_start)::float8, a.pid::bigint, false,
-		coalesce(a.application_name, ''), coalesce(a.state, ''), coalesce(a.datname, ''), age(a.backend_xid)
-	FROM pg_catalog.pg_stat_activity a
-	WHERE a.backend_xid IS NOT NULL AND a.xact_start IS NOT NULL
-	UNION ALL
-	SELECT extract(epoch FROM now() - p.prepared)::float8, 0::bigint, true, p.gid, 'prepared', p.database, age(p.transaction)
-	FROM pg_catalog.pg_prepared_xacts p
-) x ORDER BY 7 DESC LIMIT 1`
-
 // ReadHorizon reads the oldest transaction holding the xmin horizon back.
 func ReadHorizon(ctx context.Context, q dbx.Querier) (Horizon, error) {
+	sql, err := inspection(databaseOf(dbx.DialectOf(q)))
+	if err != nil {
+		return Horizon{}, err
+	}
 	var h Horizon
 	var age int64
-	err := dbx.QueryRow(ctx, q, horizonSQL, nil, &h.Age, &h.PID, &h.Prepared, &h.Application, &h.State, &h.Database, &age)
+	err = dbx.QueryRow(ctx, q, sql.horizon, nil, &h.Age, &h.PID, &h.Prepared, &h.Application, &h.State, &h.Database, &age)
 	if errors.Is(err, dbx.ErrNoRows) {
 		return Horizon{}, nil
 	}
@@ -390,17 +375,13 @@ type AdvisoryHolder struct {
 	PID        int64
 }
 
-// advisoryHoldersSQL lists the message locks of the library (key1 in [$1, $2]) held in this
-// database. It copies the server's whole lock table: for the command, not for a scrape.
-const advisoryHoldersSQL = `SELECT l.classid::bigint, l.objid::bigint, l.pid::bigint
-FROM pg_catalog.pg_locks l
-WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
-  AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
-  AND l.classid::bigint BETWEEN $1 AND $2`
-
 // AdvisoryHolders returns the sessions that hold message locks with key1 in [first, last].
 func AdvisoryHolders(ctx context.Context, q dbx.Querier, first, last uint32) ([]AdvisoryHolder, error) {
-	rows, err := q.Query(ctx, advisoryHoldersSQL, int64(first), int64(last))
+	sql, err := inspection(databaseOf(dbx.DialectOf(q)))
+	if err != nil {
+		return nil, err
+	}
+	rows, err := q.Query(ctx, sql.advisoryHolders, int64(first), int64(last))
 	if err != nil {
 		return nil, err
 	}

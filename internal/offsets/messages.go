@@ -5,8 +5,6 @@ package offsets
 
 import (
 	"context"
-	"fmt"
-	"strings"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 )
@@ -22,18 +20,9 @@ type Stored struct {
 	CreatedAtMS, DeliverAtMS int64
 }
 
-func (t Tables) messagesSelect() string {
-	if t.sqlite {
-		return fmt.Sprintf(`SELECT "offset", "uuid", "payload", "metadata", "created_at", coalesce("deliver_at", 0) FROM %s`, t.Messages)
-	}
-	return fmt.Sprintf(`SELECT "offset", "uuid", "payload", "metadata"::text,
-	(extract(epoch FROM "created_at") * 1000)::bigint, coalesce((extract(epoch FROM "deliver_at") * 1000)::bigint, 0) FROM %s`, t.Messages)
-}
-
 // ReadMessages reads up to limit messages whose offset is from or more, in offset order.
 func (t Tables) ReadMessages(ctx context.Context, q dbx.Querier, from int64, limit int) ([]Stored, error) {
-	sql := t.messagesSelect() + ` WHERE "offset" >= $1 ORDER BY "offset" LIMIT $2`
-	return scanStored(q.Query(ctx, sql, from, limit))
+	return scanStored(q.Query(ctx, t.database().messagesSQL(t, false), from, limit))
 }
 
 // TakeMessages reads up to limit messages whose offset is after, in offset order, for a
@@ -41,11 +30,7 @@ func (t Tables) ReadMessages(ctx context.Context, q dbx.Querier, from int64, lim
 // (a message another transaction deleted meanwhile is skipped); on SQLite the write
 // transaction holds the database.
 func (t Tables) TakeMessages(ctx context.Context, tx dbx.Querier, after int64, limit int) ([]Stored, error) {
-	sql := t.messagesSelect() + ` WHERE "offset" > $1 ORDER BY "offset" LIMIT $2`
-	if !t.sqlite {
-		sql += ` FOR UPDATE`
-	}
-	return scanStored(tx.Query(ctx, sql, after, limit))
+	return scanStored(tx.Query(ctx, t.database().messagesSQL(t, true), after, limit))
 }
 
 // CountMessages counts the messages of the topic.
@@ -62,29 +47,7 @@ func (t Tables) DeleteMessages(ctx context.Context, tx dbx.Querier, offs []int64
 	if len(offs) == 0 {
 		return 0, nil
 	}
-	if !t.sqlite {
-		return tx.Exec(ctx, fmt.Sprintf(`WITH c AS (DELETE FROM %s WHERE "offset" = ANY ($1::bigint[]))
-DELETE FROM %s WHERE "offset" = ANY ($1::bigint[])`, t.Claims, t.Messages), offs)
-	}
-	var total int64
-	for len(offs) > 0 {
-		n := min(len(offs), sqliteSettleChunk)
-		args := make([]any, n)
-		for i, o := range offs[:n] {
-			args[i] = o
-		}
-		in := strings.TrimSuffix(strings.Repeat("?,", n), ",")
-		if _, err := tx.Exec(ctx, fmt.Sprintf(`DELETE FROM %s WHERE "offset" IN (%s)`, t.Claims, in), args...); err != nil {
-			return total, err
-		}
-		d, err := tx.Exec(ctx, fmt.Sprintf(`DELETE FROM %s WHERE "offset" IN (%s)`, t.Messages, in), args...)
-		total += d
-		if err != nil {
-			return total, err
-		}
-		offs = offs[n:]
-	}
-	return total, nil
+	return t.database().deleteMessages(ctx, t, tx, offs)
 }
 
 func scanStored(rows dbx.Rows, err error) ([]Stored, error) {

@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
-	"strconv"
-	"strings"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 )
@@ -61,62 +59,15 @@ func (t Tables) Create(ctx context.Context, b dbx.Beginner) error {
 	return dbx.InTx(ctx, b, func(tx dbx.Tx) error { return t.CreateIn(ctx, tx) })
 }
 
-// CreateIn runs SchemaSQL inside a transaction the caller holds, under the same lock.
+// CreateIn runs SchemaSQL inside a transaction the caller holds, serialised with other
+// creators (on PostgreSQL by the schema advisory lock, on SQLite by the write transaction).
 func (t Tables) CreateIn(ctx context.Context, tx dbx.Querier) error {
-	if t.sqlite {
-		return t.sqliteCreateIn(ctx, tx)
-	}
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1::int4, $2::int4)", SchemaLockKey1, t.lockKey2()); err != nil {
-		return err
-	}
-	if err := t.check(ctx, tx, true); err != nil && !isUpgradable(err) {
-		return err
-	}
-	_, err := tx.Exec(ctx, t.SchemaSQL())
-	return err
+	return t.database().createIn(ctx, t, tx)
 }
 
 // Check verifies that the three tables exist and carry this schema version (M7).
 func (t Tables) Check(ctx context.Context, q dbx.Querier) error {
-	return t.check(ctx, q, false)
-}
-
-// check verifies the tables; with missingOK only the version of existing tables is checked.
-func (t Tables) check(ctx context.Context, q dbx.Querier, missingOK bool) error {
-	if t.sqlite {
-		return t.sqliteCheck(ctx, q, missingOK)
-	}
-	var m, g, c bool
-	var comment string
-	// to_regclass resolves a name in the latest catalog, while obj_description reads through
-	// the statement's snapshot: a table created by a transaction that committed in between
-	// would show without its comment. Existence is therefore also read through the snapshot.
-	err := dbx.QueryRow(ctx, q, `SELECT
-	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($1)),
-	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($2)),
-	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($3)),
-	coalesce(obj_description(to_regclass($1), 'pg_class'), '')`,
-		[]any{t.Messages, t.Groups, t.Claims}, &m, &g, &c, &comment)
-	if err != nil {
-		return err
-	}
-	if !missingOK {
-		for _, x := range []struct {
-			ok   bool
-			name string
-		}{{m, t.Messages}, {g, t.Groups}, {c, t.Claims}} {
-			if !x.ok {
-				return &MissingTableError{Topic: t.Topic, Table: x.name}
-			}
-		}
-	}
-	if m {
-		v, ok := strings.CutPrefix(comment, schemaCommentPrefix)
-		if n, err := strconv.Atoi(v); !ok || err != nil || n != SchemaVersion {
-			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: comment, Want: SchemaVersion}
-		}
-	}
-	return nil
+	return t.database().check(ctx, t, q, false)
 }
 
 // isUpgradable reports whether err is a VersionError for tables that SchemaSQL upgrades.

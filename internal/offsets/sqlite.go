@@ -1,6 +1,6 @@
 package offsets
 
-// The lease mode's statements on SQLite.
+// SQLite's statements: those of the lease mode (SQLite has no advisory locks).
 //
 // SQLite has one writer at a time, and a message's offset (INTEGER PRIMARY KEY AUTOINCREMENT)
 // is given when its row is written, inside the one write transaction running: offsets commit
@@ -36,29 +36,23 @@ import (
 // not find it due.
 const sqliteNow = `CAST(round((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)`
 
-// OnSQLite returns t for a SQLite database: SQLite's DDL and statements, and SQLite's table
-// names. SQLite compares table names without regard to case, even quoted, so the names of a
-// topic with an upper-case letter carry a hash of the topic (see ident.SQLiteTableName):
-// "Orders" and "orders" keep tables of their own, and so do their dead-letter topics. An
-// all-lower-case topic's names are those of PostgreSQL.
-func (t Tables) OnSQLite() Tables {
-	t.sqlite = true
-	t.MessagesName = ident.SQLiteTableName(t.prefix, t.Topic, "_messages")
-	t.GroupsName = ident.SQLiteTableName(t.prefix, t.Topic, "_groups")
-	t.ClaimsName = ident.SQLiteTableName(t.prefix, t.Topic, "_claims")
-	t.Messages = ident.Qualified(t.Schema, t.MessagesName)
-	t.Groups = ident.Qualified(t.Schema, t.GroupsName)
-	t.Claims = ident.Qualified(t.Schema, t.ClaimsName)
-	return t
+// sqlite is the database of SQLite; its sqliteTopic is set by prepare.
+type sqlite struct{ *sqliteTopic }
+
+func (sqlite) dialect() dbx.Dialect { return dbx.SQLite }
+
+// tableName: SQLite compares table names without regard to case, even quoted, so the names of
+// a topic with an upper-case letter carry a hash of the topic (see ident.SQLiteTableName):
+// "Orders" and "orders" keep tables of their own. An all-lower-case topic's names are those of
+// PostgreSQL.
+func (sqlite) tableName(prefix, topic, suffix string) string {
+	return ident.SQLiteTableName(prefix, topic, suffix)
 }
 
-// IsSQLite reports whether t is for a SQLite database.
-func (t Tables) IsSQLite() bool { return t.sqlite }
-
-// sqliteSchemaSQL is the DDL of the topic's tables on SQLite. The schema version and the topic
+// schemaSQL: the DDL of the topic's tables on SQLite. The schema version and the topic
 // are written in comments inside the CREATE TABLE statements, which SQLite keeps in
 // sqlite_schema: SQLite has no table comments.
-func (t Tables) sqliteSchemaSQL() string {
+func (sqlite) schemaSQL(t Tables) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s ( -- %s%d
 	"offset"     INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -88,7 +82,7 @@ func (t Tables) sqliteSchemaSQL() string {
 	return b.String()
 }
 
-// sqliteCreateIn runs the DDL in the caller's write transaction: BEGIN IMMEDIATE holds the
+// createIn runs the DDL in the caller's write transaction: BEGIN IMMEDIATE holds the
 // database's write lock, which serialises concurrent creators as PostgreSQL's advisory lock
 // does.
 //
@@ -97,16 +91,16 @@ func (t Tables) sqliteSchemaSQL() string {
 // adds a nullable column without a default by changing only the table's DDL, whatever the
 // number of rows, and every row reads NULL: not delayed. SchemaSQL cannot do it, as SQLite
 // has neither ADD COLUMN IF NOT EXISTS nor conditional DDL.
-func (t Tables) sqliteCreateIn(ctx context.Context, tx dbx.Querier) error {
+func (db sqlite) createIn(ctx context.Context, t Tables, tx dbx.Querier) error {
 	upgrade := false
-	if err := t.sqliteCheck(ctx, tx, true); err != nil {
+	if err := db.check(ctx, t, tx, true); err != nil {
 		var v *VersionError
 		if !errors.As(err, &v) || v.Found != sqliteNoDeliverAt {
 			return err
 		}
 		upgrade = true
 	}
-	if _, err := tx.Exec(ctx, t.sqliteSchemaSQL()); err != nil {
+	if _, err := tx.Exec(ctx, db.schemaSQL(t)); err != nil {
 		return err
 	}
 	if upgrade {
@@ -120,9 +114,9 @@ func (t Tables) sqliteCreateIn(ctx context.Context, tx dbx.Querier) error {
 // schema version without its deliver_at column, which InitializeSchema adds.
 var sqliteNoDeliverAt = fmt.Sprintf("%s%d without deliver_at", schemaCommentPrefix, SchemaVersion)
 
-// sqliteCheck reads the catalog as SQLite resolves a table name: without regard to (ASCII)
+// check reads the catalog as SQLite resolves a table name: without regard to (ASCII)
 // case, so that it finds the table CREATE TABLE IF NOT EXISTS would find.
-func (t Tables) sqliteCheck(ctx context.Context, q dbx.Querier, missingOK bool) error {
+func (sqlite) check(ctx context.Context, t Tables, q dbx.Querier, missingOK bool) error {
 	var m, g, c, deliverAt int64
 	var ddl string
 	err := dbx.QueryRow(ctx, q, `SELECT
@@ -164,8 +158,10 @@ func (t Tables) sqliteCheck(ctx context.Context, q dbx.Querier, missingOK bool) 
 	return nil
 }
 
-// sqliteStore holds the SQL text of a topic's statements on SQLite.
-type sqliteStore struct {
+// sqliteTopic holds the SQL text of a topic's statements on SQLite.
+type sqliteTopic struct {
+	t Tables
+
 	peekSQL      string // is anything waiting or due, without the write lock
 	positionSQL  string
 	readNewSQL   string
@@ -182,13 +178,11 @@ type sqliteStore struct {
 	nackPrefix   string
 	relPrefix    string
 	extPrefix    string
-
-	messages       string // the messages table
-	dlDeletePrefix string // the claims a dead-letter move deletes, with their attempts
 }
 
-func newSQLiteStore(t Tables) *sqliteStore {
-	s := &sqliteStore{}
+// prepare: asyncCommit does not apply (a commit waits for what synchronous says).
+func (sqlite) prepare(t Tables, _ bool) database {
+	s := &sqliteTopic{t: t}
 	s.peekSQL = fmt.Sprintf(`SELECT
 	EXISTS (SELECT 1 FROM %[2]s m WHERE m."offset" > g."last_offset"),
 	CASE WHEN ? THEN EXISTS (SELECT 1 FROM %[3]s c WHERE c."group_id" = g."group_id" AND c."visible_at" <= %[4]s) ELSE 0 END
@@ -237,12 +231,10 @@ RETURNING "group_id"`, t.Groups, t.Messages, sqliteNow)
 		return fmt.Sprintf(`UPDATE %s SET %s WHERE "group_id" = ? AND ("offset", "token") IN (VALUES `, t.Claims, set)
 	}
 	s.ackPrefix = fmt.Sprintf(`DELETE FROM %s WHERE "group_id" = ? AND ("offset", "token") IN (VALUES `, t.Claims)
-	s.dlDeletePrefix = s.ackPrefix
-	s.messages = t.Messages
 	s.nackPrefix = fenced(`"token" = 0, "visible_at" = ` + sqliteNow + ` + ?`)
 	s.relPrefix = fenced(`"token" = 0, "visible_at" = ` + sqliteNow + `, "attempts" = max("attempts" - 1, 0)`)
 	s.extPrefix = fenced(`"visible_at" = ` + sqliteNow + ` + ?`)
-	return s
+	return sqlite{s}
 }
 
 // msInt is d in whole milliseconds, rounded up so that a lease is never shorter than asked.
@@ -250,9 +242,9 @@ func msInt(d time.Duration) int64 {
 	return int64((d + time.Millisecond - 1) / time.Millisecond)
 }
 
-func (s *sqliteStore) ensureGroup(ctx context.Context, q dbx.Querier, group string, startAtNewest bool) (int32, error) {
+func (s sqlite) ensureGroup(ctx context.Context, q dbx.Querier, group string, startAtNewest bool) (int32, error) {
 	var id int64
-	err := dbx.QueryRow(ctx, q, s.ensureGrpSQL, []any{group, startAtNewest}, &id)
+	err := dbx.QueryRowWrite(ctx, q, s.ensureGrpSQL, []any{group, startAtNewest}, &id)
 	if errors.Is(err, dbx.ErrNoRows) {
 		err = dbx.QueryRow(ctx, q, s.lookupGrpSQL, []any{group}, &id)
 	}
@@ -263,7 +255,7 @@ func (s *sqliteStore) ensureGroup(ctx context.Context, q dbx.Querier, group stri
 // nothing due) writes nothing and waits for no writer. Otherwise one write transaction takes
 // the due claims again under token (with due), then new messages after the group's position,
 // which it advances.
-func (s *sqliteStore) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
+func (s sqlite) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
 	var waiting, dueAny int64
 	if err := dbx.QueryRow(ctx, q, s.peekSQL, []any{due, groupID}, &waiting, &dueAny); err != nil {
 		if errors.Is(err, dbx.ErrNoRows) {
@@ -290,10 +282,10 @@ func (s *sqliteStore) claim(ctx context.Context, q dbx.Querier, groupID int32, t
 // offset order until limit of them may be handed out; up to pass delayed messages are read
 // besides, and passed (see ClaimPassing). Reading stops there: the position advances to the
 // last message read.
-func (s *sqliteStore) claimIn(ctx context.Context, tx dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
+func (s sqlite) claimIn(ctx context.Context, tx dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
 	lease := msInt(ttl)
 	if due {
-		rows, err := tx.Query(ctx, s.dueSQL, token, lease, groupID, groupID, limit)
+		rows, err := dbx.QueryWrite(ctx, tx, s.dueSQL, token, lease, groupID, groupID, limit)
 		if err != nil {
 			return out, err
 		}
@@ -398,9 +390,23 @@ func placeholders(n int) string {
 // SQLite's 32766).
 const sqliteSettleChunk = 1000
 
-// settle runs the settlement prefix (with its SET arguments set) for fs and returns the
+// settle: with one writer no row changes under a statement, so a settlement returns exactly
+// the claims it matched and applied.
+func (s sqlite) settle(ctx context.Context, q dbx.Querier, op settleOp, groupID int32, fs []Fenced, d time.Duration) (map[int64]bool, error) {
+	switch op {
+	case settleNack:
+		return s.settlePrefix(ctx, q, s.nackPrefix, groupID, fs, msInt(d))
+	case settleRelease:
+		return s.settlePrefix(ctx, q, s.relPrefix, groupID, fs)
+	case settleExtend:
+		return s.settlePrefix(ctx, q, s.extPrefix, groupID, fs, msInt(d))
+	}
+	return s.settlePrefix(ctx, q, s.ackPrefix, groupID, fs)
+}
+
+// settlePrefix runs the settlement prefix (with its SET arguments set) for fs and returns the
 // offsets it applied.
-func (s *sqliteStore) settle(ctx context.Context, q dbx.Querier, prefix string, groupID int32, fs []Fenced, set ...any) (map[int64]bool, error) {
+func (s sqlite) settlePrefix(ctx context.Context, q dbx.Querier, prefix string, groupID int32, fs []Fenced, set ...any) (map[int64]bool, error) {
 	done := make(map[int64]bool, len(fs))
 	for len(fs) > 0 {
 		n := min(len(fs), sqliteSettleChunk)
@@ -418,7 +424,7 @@ func (s *sqliteStore) settle(ctx context.Context, q dbx.Querier, prefix string, 
 			args = append(args, f.Offset, f.Token)
 		}
 		b.WriteString(`) RETURNING "offset"`)
-		offs, err := dbx.ScanInt64s(q.Query(ctx, b.String(), args...))
+		offs, err := dbx.ScanInt64s(dbx.QueryWrite(ctx, q, b.String(), args...))
 		if err != nil {
 			return done, err
 		}
@@ -430,41 +436,194 @@ func (s *sqliteStore) settle(ctx context.Context, q dbx.Querier, prefix string, 
 	return done, nil
 }
 
-// insert writes rows, in statements of at most next's rows; a delayed row's deliver_at is its
-// time in Unix milliseconds, rounded up so that it is never handed out before that time.
-func (s *sqliteStore) insert(ctx context.Context, q dbx.Querier, rows []Row, next func([]Row) (int, bool)) error {
-	for len(rows) > 0 {
-		n, delayed := next(rows)
-		prefix, tuple := s.insertPrefix, "(?,?,?)"
-		if delayed {
-			prefix, tuple = s.insDelPrefix, "(?,?,?,?)"
-		}
-		var b strings.Builder
-		b.Grow(len(prefix) + n*10)
-		b.WriteString(prefix)
-		args := make([]any, 0, n*4)
-		for i, r := range rows[:n] {
-			if i > 0 {
-				b.WriteByte(',')
-			}
-			b.WriteString(tuple)
-			payload := r.Payload
-			if payload == nil {
-				payload = []byte{}
-			}
-			args = append(args, r.UUID, payload, r.Metadata)
-			if delayed {
-				var at any // NULL: not delayed
-				if !r.DeliverAt.IsZero() {
-					at = unixMilliCeil(r.DeliverAt)
-				}
-				args = append(args, at)
-			}
-		}
-		if _, err := q.Exec(ctx, b.String(), args...); err != nil {
-			return err
-		}
-		rows = rows[n:]
+func (s sqlite) insertSQL(n int, _ string, delayed bool) string {
+	prefix, tuple := s.insertPrefix, "(?,?,?)"
+	if delayed {
+		prefix, tuple = s.insDelPrefix, "(?,?,?,?)"
 	}
-	return nil
+	var b strings.Builder
+	b.Grow(len(prefix) + n*10)
+	b.WriteString(prefix)
+	for i := range n {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(tuple)
+	}
+	return b.String()
+}
+
+// deliverAt is the time in Unix milliseconds, rounded up so that a delayed message is never
+// handed out before it.
+func (sqlite) deliverAt(at time.Time) any { return unixMilliCeil(at) }
+
+// notify: SQLite has no NOTIFY.
+func (sqlite) notify(context.Context, dbx.Querier, string, string) error { return nil }
+
+func (s sqlite) prune(ctx context.Context, q dbx.Querier, olderThan time.Duration, limit int) (int64, error) {
+	return q.Exec(ctx, s.pruneSQL, msInt(olderThan), limit)
+}
+
+// heldBack: offsets commit in order on SQLite, so nothing is held back.
+func (sqlite) heldBack(context.Context, dbx.Querier, int32) (int, error) { return 0, nil }
+
+// errNoAdvisoryLocks refuses the advisory claim mode's statements on SQLite.
+var errNoAdvisoryLocks = errors.New("offsets: the advisory claim mode needs advisory locks, which SQLite does not have")
+
+func (sqlite) claimLocked(context.Context, dbx.Querier, int32, int64, int, int, int32, []int64, bool, []Claimed) ([]Claimed, error) {
+	return nil, errNoAdvisoryLocks
+}
+
+// inspection: SQLite has no catalog of comments, sessions or locks to inspect.
+func (sqlite) inspection() *inspectStatements { return nil }
+
+// backendAlive: SQLite runs in the process, with no server process to look up.
+func (sqlite) backendAlive(context.Context, dbx.Querier, uint32) (bool, error) {
+	return false, errors.New("offsets: SQLite has no server processes")
+}
+
+// deadLetterSQLite is deadLetterSQL on SQLite, where a DELETE cannot feed an INSERT in one
+// statement: the fenced claims are deleted (returning their attempts), then the copies are
+// inserted from VALUES rows (offset, attempts) of the claims deleted, in the one write
+// transaction, so both or neither. %[1]s: the messages table, %[2]s: the dead-letter topic's;
+// ?1 and ?2 are the JSON paths of the metadata keys dropped, ?3 the topic and ?4 the group.
+const deadLetterSQLite = `INSERT INTO %[2]s ("uuid", "payload", "metadata")
+SELECT m."uuid", m."payload", json_set(json_remove(m."metadata", ?1, ?2),
+	'$.` + MetaDeadLetterTopic + `', ?3, '$.` + MetaDeadLetterGroup + `', ?4,
+	'$.` + MetaDeadLetterAttempts + `', CAST(d."column2" AS TEXT), '$.` + MetaDeadLetterOffset + `', CAST(m."offset" AS TEXT))
+FROM (VALUES %[3]s) d JOIN %[1]s m ON m."offset" = d."column1"
+ORDER BY m."offset"`
+
+// deadLetter moves the fenced claims fs to the messages table to, in one write transaction,
+// and returns the offsets it moved (see Store.DeadLetter): the fenced claims are deleted
+// (returning their attempts), then the copies inserted (deadLetterSQLite).
+func (s sqlite) deadLetter(ctx context.Context, q dbx.Querier, groupID int32, group string, fs []Fenced, to Tables, dropKeys [2]string) (map[int64]bool, error) {
+	done := map[int64]bool{}
+	err := dbx.InSQLiteTx(ctx, q, func(tx dbx.Querier) error {
+		for len(fs) > 0 {
+			n := min(len(fs), sqliteSettleChunk)
+			var b strings.Builder
+			b.WriteString(s.ackPrefix)
+			args := make([]any, 0, 1+2*n)
+			args = append(args, groupID)
+			for i, f := range fs[:n] {
+				if i > 0 {
+					b.WriteByte(',')
+				}
+				b.WriteString("(?,?)")
+				args = append(args, f.Offset, f.Token)
+			}
+			b.WriteString(`) RETURNING "offset", "attempts"`)
+			rows, err := dbx.QueryWrite(ctx, tx, b.String(), args...)
+			if err != nil {
+				return err
+			}
+			var moved []any // offset, attempts pairs
+			for rows.Next() {
+				var off, att int64
+				if err := rows.Scan(&off, &att); err != nil {
+					rows.Close()
+					return err
+				}
+				moved = append(moved, off, att)
+			}
+			rows.Close()
+			if err := rows.Err(); err != nil {
+				return err
+			}
+			if len(moved) > 0 {
+				// The four leading parameters are numbered (?1 to ?4): the VALUES rows follow
+				// them as ?5 onwards.
+				var vb strings.Builder
+				for i := range len(moved) / 2 {
+					if i > 0 {
+						vb.WriteByte(',')
+					}
+					fmt.Fprintf(&vb, "(?%d,?%d)", 5+2*i, 6+2*i)
+				}
+				sql := fmt.Sprintf(deadLetterSQLite, s.t.Messages, to.Messages, vb.String())
+				iargs := append([]any{jsonPath(dropKeys[0]), jsonPath(dropKeys[1]), s.t.Topic, group}, moved...)
+				if _, err := tx.Exec(ctx, sql, iargs...); err != nil {
+					return err
+				}
+				for i := 0; i < len(moved); i += 2 {
+					done[moved[i].(int64)] = true
+				}
+			}
+			fs = fs[n:]
+		}
+		return nil
+	})
+	if err != nil {
+		return map[int64]bool{}, err // rolled back: nothing was moved
+	}
+	return done, nil
+}
+
+// jsonPath is SQLite's JSON path of the object key k, quoted so that a key with dots is one
+// member (k holds no double quote: it is one of the library's metadata keys).
+func jsonPath(k string) string { return `$."` + k + `"` }
+
+// messagesSQL: the write transaction of TakeMessages holds the database.
+func (sqlite) messagesSQL(t Tables, take bool) string {
+	sql := fmt.Sprintf(`SELECT "offset", "uuid", "payload", "metadata", "created_at", coalesce("deliver_at", 0) FROM %s`, t.Messages)
+	if take {
+		return sql + ` WHERE "offset" > $1 ORDER BY "offset" LIMIT $2`
+	}
+	return sql + ` WHERE "offset" >= $1 ORDER BY "offset" LIMIT $2`
+}
+
+// deleteMessages deletes in statements of up to sqliteSettleChunk offsets.
+func (sqlite) deleteMessages(ctx context.Context, t Tables, tx dbx.Querier, offs []int64) (int64, error) {
+	var total int64
+	for len(offs) > 0 {
+		n := min(len(offs), sqliteSettleChunk)
+		args := make([]any, n)
+		for i, o := range offs[:n] {
+			args[i] = o
+		}
+		in := placeholders(n)
+		if _, err := tx.Exec(ctx, fmt.Sprintf(`DELETE FROM %s WHERE "offset" IN (%s)`, t.Claims, in), args...); err != nil {
+			return total, err
+		}
+		d, err := tx.Exec(ctx, fmt.Sprintf(`DELETE FROM %s WHERE "offset" IN (%s)`, t.Messages, in), args...)
+		total += d
+		if err != nil {
+			return total, err
+		}
+		offs = offs[n:]
+	}
+	return total, nil
+}
+
+func (sqlite) keySchemaSQL(k KeyTable) string {
+	return fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %[1]s (
+	"key"        BLOB    NOT NULL PRIMARY KEY,
+	"expires_at" INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS %[2]s ON %[3]s ("expires_at");
+`, k.Table, ident.Qualified(k.schema, k.Name+"_exp"), ident.Quote(k.Name))
+}
+
+// keyCreateIn: the write transaction (BEGIN IMMEDIATE) serialises creators.
+func (db sqlite) keyCreateIn(ctx context.Context, k KeyTable, tx dbx.Querier) error {
+	_, err := tx.Exec(ctx, db.keySchemaSQL(k))
+	return err
+}
+
+func (sqlite) keyExists(ctx context.Context, k KeyTable, q dbx.Querier) (bool, error) {
+	var n int64
+	err := dbx.QueryRow(ctx, q, `SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?`, []any{k.Name}, &n)
+	return n > 0, err
+}
+
+func (sqlite) keyClaim(ctx context.Context, k KeyTable, q dbx.Querier, key []byte, window time.Duration) (bool, error) {
+	return wroteRow(dbx.QueryWrite(ctx, q, fmt.Sprintf(`INSERT INTO %[1]s ("key", "expires_at") VALUES (?1, %[2]s + ?2)
+ON CONFLICT ("key") DO UPDATE SET "expires_at" = excluded."expires_at" WHERE %[1]s."expires_at" <= %[2]s
+RETURNING 1`, k.Table, sqliteNow), key, window.Milliseconds()))
+}
+
+func (sqlite) keyPrune(ctx context.Context, k KeyTable, q dbx.Querier, limit int) (int64, error) {
+	return q.Exec(ctx, fmt.Sprintf(`DELETE FROM %[1]s WHERE "key" IN (
+	SELECT "key" FROM %[1]s WHERE "expires_at" <= %[2]s ORDER BY "expires_at" LIMIT ?1)`, k.Table, sqliteNow), limit)
 }

@@ -21,9 +21,7 @@
 package offsets
 
 import (
-	"fmt"
-	"strings"
-
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 )
 
@@ -56,10 +54,11 @@ type Tables struct {
 	// Quoted, schema-qualified names for SQL text.
 	Messages, Groups, Claims string
 
-	sqlite bool // the tables of a SQLite database (OnSQLite)
+	db database // the database the tables are in (On)
 }
 
-// NewTables names the tables of topic. topic, schema and prefix must already be validated.
+// NewTables names the tables of topic on PostgreSQL (see On). topic, schema and prefix must
+// already be validated.
 func NewTables(schema, prefix, topic string) Tables {
 	t := Tables{
 		Topic:        topic,
@@ -73,6 +72,38 @@ func NewTables(schema, prefix, topic string) Tables {
 	t.Groups = ident.Qualified(schema, t.GroupsName)
 	t.Claims = ident.Qualified(schema, t.ClaimsName)
 	return t
+}
+
+// On returns t for tables in a database of dialect d: that database's statements, and its
+// table names (SQLite's differ for a topic with an upper-case letter: see ident.SQLiteTableName).
+func (t Tables) On(d dbx.Dialect) Tables {
+	t.db = databaseOf(d)
+	t.MessagesName = t.db.tableName(t.prefix, t.Topic, "_messages")
+	t.GroupsName = t.db.tableName(t.prefix, t.Topic, "_groups")
+	t.ClaimsName = t.db.tableName(t.prefix, t.Topic, "_claims")
+	t.Messages = ident.Qualified(t.Schema, t.MessagesName)
+	t.Groups = ident.Qualified(t.Schema, t.GroupsName)
+	t.Claims = ident.Qualified(t.Schema, t.ClaimsName)
+	return t
+}
+
+// OnSQLite is On(dbx.SQLite).
+func (t Tables) OnSQLite() Tables { return t.On(dbx.SQLite) }
+
+// Dialect says what the tables' database can do.
+func (t Tables) Dialect() dbx.Dialect { return t.database().dialect() }
+
+// IsSQLite reports whether t is for a SQLite database.
+//
+// Deprecated: ask Dialect for the capability needed.
+func (t Tables) IsSQLite() bool { return t.Dialect() == dbx.SQLite }
+
+// database is the database of t: PostgreSQL unless On said otherwise.
+func (t Tables) database() database {
+	if t.db == nil {
+		return postgres{}
+	}
+	return t.db
 }
 
 // obj names a dependent object (index, constraint, sequence) of the topic. Every one is named
@@ -89,67 +120,4 @@ func (t Tables) seq(suffix string) string {
 
 // SchemaSQL is the DDL for the topic's tables. It is idempotent (IF NOT EXISTS) and is what
 // InitializeSchema runs; migration tools can take it as it is.
-func (t Tables) SchemaSQL() string {
-	if t.sqlite {
-		return t.sqliteSchemaSQL()
-	}
-	var b strings.Builder
-	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
-	"offset"     bigint      GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME %s),
-	"xid"        xid8        NOT NULL DEFAULT pg_current_xact_id(),
-	"uuid"       text        NOT NULL,
-	"payload"    bytea       NOT NULL,
-	"metadata"   jsonb       NOT NULL DEFAULT '{}',
-	"created_at" timestamptz NOT NULL DEFAULT now(),
-	"deliver_at" timestamptz,
-	CONSTRAINT %s PRIMARY KEY ("offset")
-);
-`, t.Messages, t.seq("_m_seq"), t.obj("_m_pkey"))
-	// Tables of schema version 1 lack deliver_at. The catalog is read first: ALTER TABLE takes
-	// the table's ACCESS EXCLUSIVE lock even when the column exists, and this DDL also runs on
-	// tables that are up to date (a migration tool running it again).
-	body := fmt.Sprintf(` BEGIN
-	IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = %[1]s::regclass AND attname = 'deliver_at' AND NOT attisdropped) THEN
-		ALTER TABLE %[2]s ADD COLUMN IF NOT EXISTS "deliver_at" timestamptz;
-	END IF;
-END `, quoteLiteral(t.Messages), t.Messages)
-	tag := dollarTag(body)
-	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
-	fmt.Fprintf(&b, "CREATE INDEX IF NOT EXISTS %s ON %s (\"xid\", \"offset\");\n", t.obj("_m_xid"), t.Messages)
-	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS '%s%d';\n", t.Messages, schemaCommentPrefix, SchemaVersion)
-	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
-	"group_id"       integer     GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME %s),
-	"consumer_group" text        NOT NULL,
-	"last_xid"       xid8        NOT NULL,
-	"last_offset"    bigint      NOT NULL,
-	"updated_at"     timestamptz NOT NULL DEFAULT now(),
-	CONSTRAINT %s PRIMARY KEY ("group_id"),
-	CONSTRAINT %s UNIQUE ("consumer_group")
-);
-`, t.Groups, t.seq("_g_seq"), t.obj("_g_pkey"), t.obj("_g_name"))
-	// The groups table names the topic, for tools that list topics from the catalog: a
-	// shortened table name no longer spells it out.
-	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS %s;\n", t.Groups, quoteLiteral(topicCommentPrefix+t.Topic))
-	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
-	"group_id"   integer     NOT NULL,
-	"offset"     bigint      NOT NULL,
-	"token"      bigint      NOT NULL,
-	"visible_at" timestamptz NOT NULL,
-	"attempts"   integer     NOT NULL,
-	CONSTRAINT %s PRIMARY KEY ("group_id", "offset")
-) WITH (fillfactor = 70);
-`, t.Claims, t.obj("_c_pkey"))
-	return b.String()
-}
-
-// dollarTag returns a dollar-quote tag ($sqlbroker$, or a longer one) that body does not
-// contain. The body holds the table names, and a topic may contain $: the server ends a
-// dollar-quoted string at the first occurrence of its tag, wherever it stands, inside quotes
-// or not, so a topic spelling the tag would end the body early.
-func dollarTag(body string) string {
-	tag := "$sqlbroker$"
-	for strings.Contains(body, tag) {
-		tag = tag[:len(tag)-1] + "_$"
-	}
-	return tag
-}
+func (t Tables) SchemaSQL() string { return t.database().schemaSQL(t) }

@@ -1,0 +1,86 @@
+package dbx
+
+import (
+	"context"
+	"strconv"
+)
+
+// Dialect says what a database can do. Code above this package asks it for a capability and
+// never names the database; internal/offsets picks its statements by it, once.
+type Dialect struct {
+	// Name names the database in messages: "PostgreSQL" or "SQLite".
+	Name string
+	// Notify: NOTIFY exists, so a pool that is Listenable can wake other processes' subscribers.
+	Notify bool
+	// AdvisoryLocks: session advisory locks exist (the advisory claim mode).
+	AdvisoryLocks bool
+	// Schemas: tables live in named schemas.
+	Schemas bool
+	// BackendPIDs: each connection is a server process with an id that can be looked up.
+	BackendPIDs bool
+	// Copy: COPY FROM STDIN exists (on a Copier).
+	Copy bool
+	// StatementTimeouts: a transaction can bound its statements and lock waits on the server.
+	StatementTimeouts bool
+	// InProcess: statements run in the process, on its own CPU (an embedded database).
+	InProcess bool
+	// MaxParams is the most bind parameters one statement may carry.
+	MaxParams int
+}
+
+var (
+	// Postgres is PostgreSQL, through pgx or database/sql. Its wire protocol counts bind
+	// parameters in 16 bits.
+	Postgres = Dialect{Name: "PostgreSQL", Notify: true, AdvisoryLocks: true, Schemas: true, BackendPIDs: true, Copy: true, StatementTimeouts: true, MaxParams: 65535}
+	// SQLite is SQLite through modernc.org/sqlite, whose SQLITE_MAX_VARIABLE_NUMBER is the
+	// default 32766.
+	SQLite = Dialect{Name: "SQLite", InProcess: true, MaxParams: 32766}
+)
+
+// dialected is a pool, connection or transaction that says its dialect.
+type dialected interface{ Dialect() Dialect }
+
+// DialectOf is the dialect of q, a pool, connection or transaction of this package; PostgreSQL
+// for one that does not say (and for nil).
+func DialectOf(q any) Dialect {
+	if d, ok := q.(dialected); ok {
+		return d.Dialect()
+	}
+	return Postgres
+}
+
+// IsSQLite reports whether q runs on SQLite.
+//
+// Deprecated: ask DialectOf(q) for the capability needed.
+func IsSQLite(q any) bool { return DialectOf(q) == SQLite }
+
+// TxAccess is what SetTxTimeouts does with a transaction's access mode.
+type TxAccess int
+
+const (
+	TxAccessAsIs      TxAccess = iota // leave it
+	TxAccessReadWrite                 // transaction_read_only off
+	TxAccessReadOnly                  // transaction_read_only on
+)
+
+// SetTxTimeouts bounds the statements and lock waits of the transaction tx to ms milliseconds
+// and sets its access mode, where the database can (StatementTimeouts); elsewhere it does
+// nothing, and ctx alone bounds a statement.
+func SetTxTimeouts(ctx context.Context, tx Querier, ms int64, access TxAccess) error {
+	if !DialectOf(tx).StatementTimeouts {
+		return nil
+	}
+	v := strconv.FormatInt(ms, 10)
+	switch access {
+	case TxAccessReadWrite, TxAccessReadOnly:
+		ro := "off"
+		if access == TxAccessReadOnly {
+			ro = "on"
+		}
+		_, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $1, true),
+	set_config('transaction_read_only', $2, true)`, v, ro)
+		return err
+	}
+	_, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $1, true)`, v)
+	return err
+}

@@ -1,0 +1,714 @@
+package offsets
+
+// PostgreSQL's statements.
+//
+// Messages are read in (xid, offset) order and only below the oldest transaction still running
+// (pg_snapshot_xmin), so that a message committed late is never skipped (M2). Times are
+// timestamptz; durations are passed in milliseconds (float8). Settlements are fenced by each
+// claim's key and token, and take many claims in one statement over arrays.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"maps"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
+)
+
+// postgres is the database of PostgreSQL; its pgTopic is set by prepare.
+type postgres struct{ *pgTopic }
+
+// pgTopic holds the SQL text of a topic's statements on PostgreSQL.
+type pgTopic struct {
+	t Tables
+
+	claimSQL            string // due claims first, then new messages
+	claimNewSQL         string // new messages only
+	claimLockedSQL      string
+	claimLockedNewSQL   string
+	ackSQL              string
+	nackSQL             string
+	releaseSQL          string
+	extendSQL           string
+	insertPrefix        string
+	insertDelayedPrefix string
+	ensureGrpSQL        string
+	lookupGrpSQL        string
+	horizonSQL          string
+	pruneSQL            string
+
+	with, cond string // the asynchronous-commit prefix and condition of the statements
+}
+
+func (postgres) dialect() dbx.Dialect { return dbx.Postgres }
+
+func (postgres) tableName(prefix, topic, suffix string) string {
+	return ident.TableName(prefix, topic, suffix)
+}
+
+// prepare makes the SQL text of t's statements. With asyncCommit, claims, extensions and
+// settlements commit without waiting for their WAL record to reach disk
+// (synchronous_commit = off for their own transaction only): a server crash can then forget
+// the last fraction of a second of them, and the messages concerned are delivered again,
+// which at-least-once delivery allows. Publishing is never asynchronous.
+func (postgres) prepare(t Tables, asyncCommit bool) database {
+	s := &pgTopic{t: t}
+	// The setting is made inside the statement, so that it holds for the statement's own
+	// implicit transaction and costs no round trip; the condition makes the planner run it.
+	with, cond := "WITH ", ""
+	if asyncCommit {
+		with = "WITH sc AS (SELECT set_config('synchronous_commit', 'off', true) AS v), "
+		cond = " AND (SELECT v FROM sc) IS NOT NULL"
+	}
+	s.with, s.cond = with, cond
+
+	// One round trip claims up to $4 messages for group $1 under token $2 with a lease of $3 ms:
+	//  - due: claims of the group that are due again (their lease ran out, or they were nacked
+	//    or released and their backoff passed), taken with a new token, so the old holder's
+	//    token no longer matches (L3); SKIP LOCKED leaves those another claimer is taking;
+	//  - if that left room and a message is waiting: lock the group row (serialises the
+	//    group's claimers for a few milliseconds; an empty poll locks nothing, so it writes
+	//    nothing and takes no transaction id), read the next messages after its position that were written by
+	//    transactions older than every running one (M2), claim them and advance the position.
+	//    The position is read through scalar subqueries so that it reaches the index scan of
+	//    (xid, offset) as a bound: joined as a row, the planner would scan from the start of
+	//    the index and filter, a cost that grows with every message the group consumed.
+	// Redeliveries come first, then new messages in (xid, offset) order. claimNewSQL is the
+	// same statement without the due step (see dueSQL).
+	//
+	// No parameter is used in an expression evaluated per row: the lease deadline is computed
+	// once, in a subquery. The server keeps a generic plan of a prepared statement only if it
+	// does not look dearer than the custom plans made with the parameters' values, and a
+	// constant-folded deadline makes the custom plans look cheaper on a large table, so every
+	// claim would be planned anew (TestClaimsKeepGenericPlans).
+	claim := func(due, r string) string {
+		return fmt.Sprintf(`%[4]s`+due+`, `+r+`, g AS (
+	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
+	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4%[5]s
+	  AND (`+nextWaitingSQL+`) IS NOT NULL
+	FOR UPDATE
+), `+newMessagesSQL("", "$5")+`, ins AS (
+	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
+	SELECT $1, m."offset",
+		CASE WHEN m."later" IS NULL THEN $2::bigint ELSE 0 END,
+		coalesce(m."later", (SELECT clock_timestamp() + $3::float8 * interval '1 millisecond')),
+		CASE WHEN m."later" IS NULL THEN 1 ELSE 0 END
+	FROM m
+)`+claimTailSQL(`m WHERE m."later" IS NULL`), t.Groups, t.Messages, t.Claims, with, cond)
+	}
+	s.claimSQL = claim(dueSQL, leasedAgainSQL)
+	s.claimNewSQL = claim(noDueSQL, noneAgainSQL)
+
+	s.claimLockedSQL = claimLockedSQL(t, with, cond, dueSQL, lockedAgainSQL)
+	s.claimLockedNewSQL = claimLockedSQL(t, with, cond, noDueSQL, noneAgainSQL)
+
+	// Settlements are fenced by the claim's key and token and take many claims at once.
+	//  - k finds each claim by its own probe of the primary key (the LATERAL subquery, which
+	//    FOR UPDATE keeps from being flattened into a join), so that no plan, the server's
+	//    generic one included, reads more of the index than the keys given. Joined to the
+	//    arrays directly, the generic plan is a bitmap scan of the group's whole key range,
+	//    which reads the entry of every claim deleted since the last vacuum, a cost that grows
+	//    with the backlog drained (TestSettlePlansStayFlat). FOR
+	//    UPDATE locks the claim's newest version and checks the key and token on it (L3): k
+	//    holds exactly the claims that are still this delivery's.
+	//  - d changes those claims by row address. A claim that a concurrent statement (an
+	//    extension of the same lease) changed after this statement's snapshot was taken is
+	//    locked by k in its newer version, which d cannot see: it is returned as fenced but
+	//    not applied, and settle runs the statement again for it (L3: a refusal means only
+	//    that the claim is no longer the delivery's).
+	settle := func(stmt string) string {
+		head := with
+		if !asyncCommit {
+			head = "WITH "
+		}
+		return head + fmt.Sprintf(`k AS (
+	SELECT x.t, a."offset" AS o FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token"),
+	LATERAL (SELECT c.ctid AS t FROM %[1]s c
+		WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
+		FOR UPDATE) x
+), d AS (
+`+stmt+`
+WHERE c.ctid = ANY (ARRAY(SELECT t FROM k))`+cond+`
+RETURNING c."offset"
+)
+SELECT k.o, EXISTS (SELECT 1 FROM d WHERE d."offset" = k.o) FROM k`, t.Claims)
+	}
+	s.ackSQL = settle(`DELETE FROM %[1]s c`)
+
+	s.nackSQL = settle(`UPDATE %[1]s c SET "token" = 0, "visible_at" = now() + $4::float8 * interval '1 millisecond'`)
+
+	// Release gives back claims that never reached a handler: visible at once, and the attempt
+	// they were counted as is taken back.
+	s.releaseSQL = settle(`UPDATE %[1]s c SET "token" = 0, "visible_at" = now(), "attempts" = greatest(c."attempts" - 1, 0)`)
+
+	// The lease deadlines of claims and extensions count from when the row is written
+	// (clock_timestamp), not from the start of the statement (now): a statement that waited
+	// on a lock longer than the lease (a migration's table lock) would otherwise write a lease
+	// that has already run out, and the group's next claim would take the message again while
+	// its handler works. The subscriber counts its own deadline from before the statement was
+	// sent, so it never outlives the database's.
+	s.extendSQL = settle(`UPDATE %[1]s c SET "visible_at" = clock_timestamp() + $4::float8 * interval '1 millisecond'`)
+
+	s.insertPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata") VALUES `, t.Messages)
+	s.insertDelayedPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata", "deliver_at") VALUES `, t.Messages)
+
+	s.ensureGrpSQL = fmt.Sprintf(`INSERT INTO %s ("consumer_group", "last_xid", "last_offset")
+VALUES ($1, CASE WHEN $2::boolean THEN pg_snapshot_xmin(pg_current_snapshot()) ELSE '0'::xid8 END, 0)
+ON CONFLICT ("consumer_group") DO NOTHING
+RETURNING "group_id"`, t.Groups)
+	s.lookupGrpSQL = fmt.Sprintf(`SELECT "group_id" FROM %s WHERE "consumer_group" = $1`, t.Groups)
+
+	// Messages every group has passed and none still claims, older than $1 ms, at most $2.
+	s.pruneSQL = fmt.Sprintf(`WITH low AS (
+	SELECT "last_xid", "last_offset" FROM %[1]s ORDER BY "last_xid", "last_offset" LIMIT 1
+)
+DELETE FROM %[2]s m
+WHERE m."offset" IN (
+	SELECT d."offset" FROM %[2]s d
+	WHERE (d."xid", d."offset") <= ((SELECT "last_xid" FROM low), (SELECT "last_offset" FROM low))
+	  AND d."created_at" < now() - $1::float8 * interval '1 millisecond'
+	  AND NOT EXISTS (SELECT 1 FROM %[3]s c WHERE c."offset" = d."offset")
+	ORDER BY d."xid", d."offset"
+	LIMIT $2
+)`, t.Groups, t.Messages, t.Claims)
+
+	// Messages past the group's position that the xmin horizon still holds back (M2).
+	s.horizonSQL = fmt.Sprintf(`SELECT count(*) FROM (
+	SELECT 1 FROM %[2]s m, %[1]s g
+	WHERE g."group_id" = $1 AND (m."xid", m."offset") > (g."last_xid", g."last_offset")
+	  AND m."xid" >= pg_snapshot_xmin(pg_current_snapshot())
+	LIMIT 1000
+) x`, t.Groups, t.Messages)
+	return postgres{s}
+}
+
+// newMessagesSQL is the step m of the claim statements: the messages after the group's
+// position (read from g) that were written by transactions older than every running one (M2),
+// in (xid, offset) order, up to the room the due claims left ($4 minus their count) that may
+// be handed out now, and the delayed ones among and before them (see delayedSQL), which the
+// group's position passes. Up to pass (the parameter named) delayed messages are passed beyond
+// that room, so that a run of delayed messages does not take the claim's room from the
+// messages behind it; with pass 0 the delayed ones count against the room. The position is
+// read through scalar subqueries so that it reaches the index scan of (xid, offset) as a
+// bound. mat is "" or "MATERIALIZED ".
+func newMessagesSQL(mat, pass string) string {
+	return `m0 AS (
+	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", ` + delayedSQL + ` AS "later"
+	FROM %[2]s m
+	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
+	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
+	ORDER BY m."xid", m."offset"
+	LIMIT $4 - (SELECT count(*) FROM due) + ` + pass + `
+), m AS ` + mat + `(
+	SELECT w."offset", w."xid", w."uuid", w."payload", w."metadata", w."later" FROM (
+		SELECT m0.*, count(*) FILTER (WHERE m0."later" IS NULL) OVER (ORDER BY m0."xid", m0."offset" ROWS UNBOUNDED PRECEDING) AS "nth"
+		FROM m0
+	) w
+	WHERE w."nth" - (w."later" IS NULL)::int < (SELECT $4 - count(*) FROM due)
+)`
+}
+
+// dueSQL is the due step of the claim statements: up to $4 claims of group $1 whose lease ran
+// out or whose backoff passed, in offset order, locked for the statement.
+//
+// It walks the group's claims in the primary key from the lowest offset, and that walk also
+// steps over the index entries of every claim deleted since the table was last vacuumed:
+// acked claims leave their entries behind, and autovacuum comes about once a minute. While a
+// large backlog drains that is hundreds of thousands of entries, read on every claim. So the
+// subscriber runs the due step only when a claim may be due (see subscription.wantDue), and
+// otherwise the statement with noDueSQL, which reads no claim at all.
+const dueSQL = `due AS (
+	SELECT "offset" FROM %[3]s
+	WHERE "group_id" = $1 AND "visible_at" <= now()%[5]s
+	ORDER BY "offset" LIMIT $4
+	FOR UPDATE SKIP LOCKED
+)`
+
+// leasedAgainSQL is the step r of the lease mode's claim: the due claims, taken again under
+// the new token and lease, one attempt more (lockedAgainSQL is the advisory mode's).
+const leasedAgainSQL = `r AS (
+	UPDATE %[3]s c SET "token" = $2, "visible_at" = (SELECT clock_timestamp() + $3::float8 * interval '1 millisecond'), "attempts" = c."attempts" + 1
+	FROM due WHERE c."group_id" = $1 AND c."offset" = due."offset"
+	RETURNING c."offset", c."attempts"
+)`
+
+// noDueSQL is the due step that takes nothing, and noneAgainSQL the step r (the due claims
+// taken again) that changes nothing: written as an UPDATE joined to an empty due, the
+// server's generic plan may still scan the group's claims.
+const (
+	noDueSQL     = `due AS (SELECT NULL::bigint AS "offset" WHERE false)`
+	noneAgainSQL = `r AS (SELECT NULL::bigint AS "offset", NULL::integer AS "attempts" WHERE false)`
+)
+
+// nextWaitingSQL finds the first message after the position of group row gr (of the claim
+// statements) that may be delivered, if any. ORDER BY and LIMIT 1 keep it a plain index scan of
+// (xid, offset) that stops at the first row: written as EXISTS, the planner prefers a bitmap
+// scan, which reads the index entries of the group's whole backlog on every claim, a cost that
+// grows with the backlog.
+const nextWaitingSQL = `SELECT nx."offset" FROM %[2]s nx
+		WHERE (nx."xid", nx."offset") > (gr."last_xid", gr."last_offset")
+		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot())
+		ORDER BY nx."xid", nx."offset" LIMIT 1`
+
+// claimTailSQL ends both claim statements: it advances the group's position past the new
+// messages of m, and returns the due claims taken again (r) first, then the new messages read
+// from newFrom, in (xid, offset) order, then one row (kind 2, with the time in epoch
+// milliseconds) for each message of m that is delayed (see delayedSQL). %[1]s and %[2]s are
+// the groups and messages tables.
+func claimTailSQL(newFrom string) string {
+	return `, upd AS (
+	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
+	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
+	WHERE "group_id" = $1
+)
+SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts", x.k, x.at FROM (
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o, 0::float8 AS at
+	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
+	UNION ALL
+	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset"), 0::float8
+	FROM ` + newFrom + `
+	UNION ALL
+	SELECT m."offset", '', ''::bytea, '{}'::jsonb, 0, 2, m."offset", extract(epoch FROM m."later")::float8 * 1000
+	FROM m WHERE m."later" IS NOT NULL
+) x ORDER BY x.k, x.o`
+}
+
+// delayedSQL is, for a message m of the claim statements, the time it is delayed until, or
+// NULL when it may be handed out now. Such a message gets a claim row due at that time with
+// no holder (token 0, attempt 0), which the claims due again take once it has come; the
+// group's position passes it, so the messages behind it are claimed at once.
+const delayedSQL = `CASE WHEN m."deliver_at" > now() THEN m."deliver_at" END`
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// ensureGroup tries again when a concurrent insert of the group committed after the
+// statement's snapshot was taken, which neither inserts nor sees the row.
+func (s postgres) ensureGroup(ctx context.Context, q dbx.Querier, group string, startAtNewest bool) (int32, error) {
+	for range 3 {
+		var id int32
+		err := dbx.QueryRowWrite(ctx, q, s.ensureGrpSQL, []any{group, startAtNewest}, &id)
+		if err == nil {
+			return id, nil
+		}
+		if !errors.Is(err, dbx.ErrNoRows) {
+			return 0, err
+		}
+		err = dbx.QueryRow(ctx, q, s.lookupGrpSQL, []any{group}, &id)
+		if err == nil {
+			return id, nil
+		}
+		if !errors.Is(err, dbx.ErrNoRows) {
+			return 0, err
+		}
+		// A concurrent insert committed after our snapshot was taken: look again.
+	}
+	return 0, fmt.Errorf("consumer group %q: its row could not be created or read", group)
+}
+
+func (s postgres) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
+	sql := s.claimNewSQL
+	if due {
+		sql = s.claimSQL
+	}
+	rows, err := dbx.QueryWrite(ctx, q, sql, groupID, token, ms(ttl), limit, pass)
+	if err != nil {
+		return out, err
+	}
+	return scanClaimed(rows, out)
+}
+
+// claimLocked is ClaimLockedPassing (see claimLockedSQL).
+func (s postgres) claimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due bool, out []Claimed) ([]Claimed, error) {
+	if skip == nil {
+		skip = []int64{}
+	}
+	sql := s.claimLockedNewSQL
+	if due {
+		sql = s.claimLockedSQL
+	}
+	rows, err := dbx.QueryWrite(ctx, q, sql, groupID, token, key1, limit, skip, pass)
+	if err != nil {
+		return out, err
+	}
+	return scanClaimed(rows, out)
+}
+
+func split(fs []Fenced) ([]int64, []int64) {
+	offs := make([]int64, len(fs))
+	toks := make([]int64, len(fs))
+	for i, f := range fs {
+		offs[i], toks[i] = f.Offset, f.Token
+	}
+	return offs, toks
+}
+
+// ErrSettleRaced says that some claims of a settlement met concurrent changes of their rows
+// on every try: neither applied nor refused, they may be settled again. It is returned only
+// when the settlement cannot run in a transaction of its own (q is not a dbx.Beginner).
+var ErrSettleRaced = errors.New("offsets: claims changed concurrently on every try; not settled")
+
+// settleTries bounds the runs of one settlement statement for claims whose rows a concurrent
+// statement changed after the statement's snapshot (see prepare). One more run settles them
+// unless the row changed yet again in the few microseconds between the two.
+const settleTries = 3
+
+// settle runs a settlement statement (sql, with args after the group, offsets and tokens)
+// for the fenced claims fs and returns the offsets it applied, on an error too (those its
+// statements applied before it). Claims it does not return were refused: their token no
+// longer matches. Claims whose fence held on their newest row version but that the statement
+// could not change are run again, up to settleTries times, then in a transaction in which
+// the statement's row locks keep them from changing until its second run has applied them.
+func (s postgres) settleSQL(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, args ...any) (map[int64]bool, error) {
+	done := make(map[int64]bool, len(fs))
+	var err error
+	for range settleTries {
+		if fs, err = s.settleOnce(ctx, q, sql, groupID, fs, done, args); err != nil || len(fs) == 0 {
+			return done, err
+		}
+	}
+	b, ok := q.(dbx.Beginner)
+	if !ok {
+		return done, ErrSettleRaced
+	}
+	// What the transaction applies counts only once it commits: on an error, done is what
+	// the statements before it applied.
+	applied := maps.Clone(done)
+	err = dbx.InTx(ctx, b, func(tx dbx.Tx) error {
+		for range 2 {
+			var err error
+			if fs, err = s.settleOnce(ctx, tx, sql, groupID, fs, done, args); err != nil || len(fs) == 0 {
+				return err
+			}
+		}
+		return ErrSettleRaced // the locks of the first run make this impossible
+	})
+	if err != nil {
+		return applied, err
+	}
+	return done, nil
+}
+
+// settleOnce runs sql once for fs, adds the offsets it applied to done, and returns the claims
+// whose fence held but that were not applied.
+func (s postgres) settleOnce(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, done map[int64]bool, args []any) ([]Fenced, error) {
+	offs, toks := split(fs)
+	rows, err := dbx.QueryWrite(ctx, q, sql, append([]any{groupID, offs, toks}, args...)...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var again map[int64]bool
+	for rows.Next() {
+		var off int64
+		var ok bool
+		if err := rows.Scan(&off, &ok); err != nil {
+			return nil, err
+		}
+		if ok {
+			done[off] = true
+		} else {
+			if again == nil {
+				again = map[int64]bool{}
+			}
+			again[off] = true
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	var next []Fenced
+	for _, f := range fs {
+		if again[f.Offset] {
+			next = append(next, f)
+		}
+	}
+	return next, nil
+}
+
+func (s postgres) settle(ctx context.Context, q dbx.Querier, op settleOp, groupID int32, fs []Fenced, d time.Duration) (map[int64]bool, error) {
+	switch op {
+	case settleNack:
+		return s.settleSQL(ctx, q, s.nackSQL, groupID, fs, ms(d))
+	case settleRelease:
+		return s.settleSQL(ctx, q, s.releaseSQL, groupID, fs)
+	case settleExtend:
+		return s.settleSQL(ctx, q, s.extendSQL, groupID, fs, ms(d))
+	}
+	return s.settleSQL(ctx, q, s.ackSQL, groupID, fs)
+}
+
+// deadLetterSQL moves claims of group $1 (offsets $2, tokens $3, fenced as the settlements of
+// pgTopic are) to the messages table of another topic, in one statement: the claim is
+// deleted and a copy of its message, with the topic ($4), the group ($5), its attempts and
+// its offset added to its metadata, is inserted there; both or neither. The metadata keys the
+// subscriber sets on a delivery (attempt, offset: $6, $7) are dropped from the copy: the stored
+// row carries them only if a publisher copied them from an earlier delivery. %[1]s: claims,
+// %[2]s: messages, %[3]s: the dead-letter topic's messages; %[4]s and %[5]s: the
+// asynchronous-commit prefix and condition.
+const deadLetterSQL = `%[4]sk AS (
+	SELECT x.t, a."offset" AS o FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token"),
+	LATERAL (SELECT c.ctid AS t FROM %[1]s c
+		WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
+		FOR UPDATE) x
+), d AS (
+	DELETE FROM %[1]s c
+	WHERE c.ctid = ANY (ARRAY(SELECT t FROM k))%[5]s
+	RETURNING c."offset", c."attempts"
+), ins AS (
+	INSERT INTO %[3]s ("uuid", "payload", "metadata")
+	SELECT m."uuid", m."payload", (m."metadata" - $6::text - $7::text) || jsonb_build_object(
+		'` + MetaDeadLetterTopic + `', $4::text, '` + MetaDeadLetterGroup + `', $5::text,
+		'` + MetaDeadLetterAttempts + `', d."attempts"::text, '` + MetaDeadLetterOffset + `', m."offset"::text)
+	FROM d JOIN %[2]s m ON m."offset" = d."offset"
+	ORDER BY m."offset"
+)
+SELECT k.o, EXISTS (SELECT 1 FROM d WHERE d."offset" = k.o) FROM k`
+
+func (s postgres) deadLetter(ctx context.Context, q dbx.Querier, groupID int32, group string, fs []Fenced, to Tables, dropKeys [2]string) (map[int64]bool, error) {
+	sql := fmt.Sprintf(deadLetterSQL, s.t.Claims, s.t.Messages, to.Messages, s.with, s.cond)
+	return s.settleSQL(ctx, q, sql, groupID, fs, s.t.Topic, group, dropKeys[0], dropKeys[1])
+}
+
+// heldBack counts messages past the group's position that the xmin horizon holds back.
+func (s postgres) heldBack(ctx context.Context, q dbx.Querier, groupID int32) (int, error) {
+	var n int64
+	err := dbx.QueryRow(ctx, q, s.horizonSQL, []any{groupID}, &n)
+	return int(n), err
+}
+
+// insertSQL: with channel, the same statement also sends NOTIFY on channel with the messages
+// table's name as payload (delivered when the transaction commits).
+func (s postgres) insertSQL(n int, channel string, delayed bool) string {
+	var b strings.Builder
+	b.Grow(len(s.insertPrefix) + n*32 + 160)
+	if channel != "" {
+		b.WriteString("WITH ins AS (")
+	}
+	per := 3
+	if delayed {
+		per = 4
+		b.WriteString(s.insertDelayedPrefix)
+	} else {
+		b.WriteString(s.insertPrefix)
+	}
+	for i := range n {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		p := i * per
+		b.WriteString("($")
+		b.WriteString(strconv.Itoa(p + 1))
+		b.WriteString(",$")
+		b.WriteString(strconv.Itoa(p + 2))
+		b.WriteString(",$")
+		b.WriteString(strconv.Itoa(p + 3))
+		b.WriteString("::jsonb")
+		if delayed {
+			b.WriteString(",$")
+			b.WriteString(strconv.Itoa(p + 4))
+			b.WriteString("::timestamptz")
+		}
+		b.WriteString(")")
+	}
+	if channel != "" {
+		fmt.Fprintf(&b, ` RETURNING 1) SELECT pg_notify(%s, %s) FROM (SELECT 1 FROM ins LIMIT 1) x`,
+			quoteLiteral(channel), quoteLiteral(s.t.Messages))
+	}
+	return b.String()
+}
+
+func (postgres) deliverAt(at time.Time) any { return at }
+
+// notifySQL sends one NOTIFY on channel $1 with payload $2: a function call, so that both
+// are parameters (a NOTIFY statement takes neither as one).
+const notifySQL = `SELECT pg_notify($1, $2)`
+
+func (postgres) notify(ctx context.Context, q dbx.Querier, channel, payload string) error {
+	_, err := q.Exec(ctx, notifySQL, channel, payload)
+	return err
+}
+
+func (s postgres) prune(ctx context.Context, q dbx.Querier, olderThan time.Duration, limit int) (int64, error) {
+	return q.Exec(ctx, s.pruneSQL, ms(olderThan), limit)
+}
+
+func (postgres) backendAlive(ctx context.Context, q dbx.Querier, pid uint32) (bool, error) {
+	var alive bool
+	err := dbx.QueryRow(ctx, q, "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", []any{int64(pid)}, &alive)
+	return alive, err
+}
+
+// schemaSQL: tables of schema version 1 are upgraded in place (see upgradableVersion).
+func (postgres) schemaSQL(t Tables) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
+	"offset"     bigint      GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME %s),
+	"xid"        xid8        NOT NULL DEFAULT pg_current_xact_id(),
+	"uuid"       text        NOT NULL,
+	"payload"    bytea       NOT NULL,
+	"metadata"   jsonb       NOT NULL DEFAULT '{}',
+	"created_at" timestamptz NOT NULL DEFAULT now(),
+	"deliver_at" timestamptz,
+	CONSTRAINT %s PRIMARY KEY ("offset")
+);
+`, t.Messages, t.seq("_m_seq"), t.obj("_m_pkey"))
+	// Tables of schema version 1 lack deliver_at. The catalog is read first: ALTER TABLE takes
+	// the table's ACCESS EXCLUSIVE lock even when the column exists, and this DDL also runs on
+	// tables that are up to date (a migration tool running it again).
+	body := fmt.Sprintf(` BEGIN
+	IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = %[1]s::regclass AND attname = 'deliver_at' AND NOT attisdropped) THEN
+		ALTER TABLE %[2]s ADD COLUMN IF NOT EXISTS "deliver_at" timestamptz;
+	END IF;
+END `, quoteLiteral(t.Messages), t.Messages)
+	tag := dollarTag(body)
+	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
+	fmt.Fprintf(&b, "CREATE INDEX IF NOT EXISTS %s ON %s (\"xid\", \"offset\");\n", t.obj("_m_xid"), t.Messages)
+	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS '%s%d';\n", t.Messages, schemaCommentPrefix, SchemaVersion)
+	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
+	"group_id"       integer     GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME %s),
+	"consumer_group" text        NOT NULL,
+	"last_xid"       xid8        NOT NULL,
+	"last_offset"    bigint      NOT NULL,
+	"updated_at"     timestamptz NOT NULL DEFAULT now(),
+	CONSTRAINT %s PRIMARY KEY ("group_id"),
+	CONSTRAINT %s UNIQUE ("consumer_group")
+);
+`, t.Groups, t.seq("_g_seq"), t.obj("_g_pkey"), t.obj("_g_name"))
+	// The groups table names the topic, for tools that list topics from the catalog: a
+	// shortened table name no longer spells it out.
+	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS %s;\n", t.Groups, quoteLiteral(topicCommentPrefix+t.Topic))
+	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
+	"group_id"   integer     NOT NULL,
+	"offset"     bigint      NOT NULL,
+	"token"      bigint      NOT NULL,
+	"visible_at" timestamptz NOT NULL,
+	"attempts"   integer     NOT NULL,
+	CONSTRAINT %s PRIMARY KEY ("group_id", "offset")
+) WITH (fillfactor = 70);
+`, t.Claims, t.obj("_c_pkey"))
+	return b.String()
+}
+
+// dollarTag returns a dollar-quote tag ($sqlbroker$, or a longer one) that body does not
+// contain. The body holds the table names, and a topic may contain $: the server ends a
+// dollar-quoted string at the first occurrence of its tag, wherever it stands, inside quotes
+// or not, so a topic spelling the tag would end the body early.
+func dollarTag(body string) string {
+	tag := "$sqlbroker$"
+	for strings.Contains(body, tag) {
+		tag = tag[:len(tag)-1] + "_$"
+	}
+	return tag
+}
+
+// createIn takes the library's schema advisory lock for the transaction, so that concurrent
+// creators of one topic do not race on the catalog.
+func (db postgres) createIn(ctx context.Context, t Tables, tx dbx.Querier) error {
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1::int4, $2::int4)", SchemaLockKey1, t.lockKey2()); err != nil {
+		return err
+	}
+	if err := db.check(ctx, t, tx, true); err != nil && !isUpgradable(err) {
+		return err
+	}
+	_, err := tx.Exec(ctx, db.schemaSQL(t))
+	return err
+}
+
+func (postgres) check(ctx context.Context, t Tables, q dbx.Querier, missingOK bool) error {
+	var m, g, c bool
+	var comment string
+	// to_regclass resolves a name in the latest catalog, while obj_description reads through
+	// the statement's snapshot: a table created by a transaction that committed in between
+	// would show without its comment. Existence is therefore also read through the snapshot.
+	err := dbx.QueryRow(ctx, q, `SELECT
+	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($1)),
+	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($2)),
+	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($3)),
+	coalesce(obj_description(to_regclass($1), 'pg_class'), '')`,
+		[]any{t.Messages, t.Groups, t.Claims}, &m, &g, &c, &comment)
+	if err != nil {
+		return err
+	}
+	if !missingOK {
+		for _, x := range []struct {
+			ok   bool
+			name string
+		}{{m, t.Messages}, {g, t.Groups}, {c, t.Claims}} {
+			if !x.ok {
+				return &MissingTableError{Topic: t.Topic, Table: x.name}
+			}
+		}
+	}
+	if m {
+		v, ok := strings.CutPrefix(comment, schemaCommentPrefix)
+		if n, err := strconv.Atoi(v); !ok || err != nil || n != SchemaVersion {
+			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: comment, Want: SchemaVersion}
+		}
+	}
+	return nil
+}
+
+// messagesSQL: TakeMessages locks the rows it reads until its transaction ends (a message
+// another transaction deleted meanwhile is skipped).
+func (postgres) messagesSQL(t Tables, take bool) string {
+	sql := fmt.Sprintf(`SELECT "offset", "uuid", "payload", "metadata"::text,
+	(extract(epoch FROM "created_at") * 1000)::bigint, coalesce((extract(epoch FROM "deliver_at") * 1000)::bigint, 0) FROM %s`, t.Messages)
+	if take {
+		return sql + ` WHERE "offset" > $1 ORDER BY "offset" LIMIT $2 FOR UPDATE`
+	}
+	return sql + ` WHERE "offset" >= $1 ORDER BY "offset" LIMIT $2`
+}
+
+func (postgres) deleteMessages(ctx context.Context, t Tables, tx dbx.Querier, offs []int64) (int64, error) {
+	return tx.Exec(ctx, fmt.Sprintf(`WITH c AS (DELETE FROM %s WHERE "offset" = ANY ($1::bigint[]))
+DELETE FROM %s WHERE "offset" = ANY ($1::bigint[])`, t.Claims, t.Messages), offs)
+}
+
+func (postgres) keySchemaSQL(k KeyTable) string {
+	return fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %[1]s (
+	"key"        bytea       NOT NULL,
+	"expires_at" timestamptz NOT NULL,
+	CONSTRAINT %[2]s PRIMARY KEY ("key")
+);
+CREATE INDEX IF NOT EXISTS %[3]s ON %[1]s ("expires_at");
+`, k.Table, ident.Quote(k.Name+"_pkey"), ident.Quote(k.Name+"_exp"))
+}
+
+// keyCreateIn takes the library's schema advisory lock, held until tx ends.
+func (db postgres) keyCreateIn(ctx context.Context, k KeyTable, tx dbx.Querier) error {
+	h := fnv.New32a()
+	h.Write([]byte(k.Table))
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1::int4, $2::int4)", SchemaLockKey1, int32(h.Sum32())); err != nil {
+		return err
+	}
+	_, err := tx.Exec(ctx, db.keySchemaSQL(k))
+	return err
+}
+
+func (postgres) keyExists(ctx context.Context, k KeyTable, q dbx.Querier) (bool, error) {
+	var ok bool
+	err := dbx.QueryRow(ctx, q, `SELECT to_regclass($1) IS NOT NULL`, []any{k.Table}, &ok)
+	return ok, err
+}
+
+// keyClaim: a key written by a transaction not yet committed makes the statement wait for
+// that transaction's end: the key is a duplicate if it committed, and is written here if it
+// rolled back.
+func (postgres) keyClaim(ctx context.Context, k KeyTable, q dbx.Querier, key []byte, window time.Duration) (bool, error) {
+	return wroteRow(dbx.QueryWrite(ctx, q, fmt.Sprintf(`INSERT INTO %[1]s AS k ("key", "expires_at") VALUES ($1, clock_timestamp() + $2 * interval '1 microsecond')
+ON CONFLICT ("key") DO UPDATE SET "expires_at" = excluded."expires_at" WHERE k."expires_at" <= clock_timestamp()
+RETURNING 1`, k.Table), key, window.Microseconds()))
+}
+
+// keyPrune leaves a key that a running transaction is writing again to it (SKIP LOCKED).
+func (postgres) keyPrune(ctx context.Context, k KeyTable, q dbx.Querier, limit int) (int64, error) {
+	return q.Exec(ctx, fmt.Sprintf(`DELETE FROM %[1]s WHERE "key" = ANY (ARRAY(
+	SELECT "key" FROM %[1]s WHERE "expires_at" <= clock_timestamp() ORDER BY "expires_at" LIMIT $1 FOR UPDATE SKIP LOCKED))
+	AND "expires_at" <= clock_timestamp()`, k.Table), limit)
+}
