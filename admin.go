@@ -97,10 +97,6 @@ type Admin struct {
 	db      dbx.Pool
 	config  AdminConfig
 	dialect dbx.Dialect
-	// sqlite is dialect == dbx.SQLite, for deadletter_admin.go's read.
-	//
-	// Deprecated: ask dialect for the capability needed.
-	sqlite bool
 }
 
 // NewAdmin builds an Admin on db, which must wrap a pool (Pgx, StdSQL or SQLite). On SQLite
@@ -117,7 +113,7 @@ func NewAdmin(db DB, config AdminConfig) (*Admin, error) {
 	if err := schemaOn(db.dialect(), config.Schema); err != nil {
 		return nil, err
 	}
-	return &Admin{db: db.pool, config: config, dialect: db.dialect(), sqlite: db.dialect() == dbx.SQLite}, nil
+	return &Admin{db: db.pool, config: config, dialect: db.dialect()}, nil
 }
 
 // inspects refuses, on a database without the operator statements (SQLite), a method that
@@ -128,11 +124,6 @@ func (a *Admin) inspects(method string) error {
 	}
 	return &ConfigError{Field: "db", Value: a.dialect.Name, Reason: "Admin." + method + " reads PostgreSQL's catalog and is PostgreSQL's only"}
 }
-
-// postgresOnly is inspects.
-//
-// Deprecated: call inspects, or ask a.dialect for the capability the method needs.
-func (a *Admin) postgresOnly(method string) error { return a.inspects(method) }
 
 // Inspection is the state of topics, as Inspect read it.
 type Inspection struct {

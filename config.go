@@ -447,9 +447,6 @@ func (c *SubscriberConfig) validate() error {
 	return nil
 }
 
-// validateSQLite refuses what a SQLite database cannot do.
-func (c *SubscriberConfig) validateSQLite() error { return c.validateOn(dbx.SQLite) }
-
 // validateOn checks the config against what the database of dialect d can do.
 func (c *SubscriberConfig) validateOn(d dbx.Dialect) error {
 	if c.ClaimMode == ClaimAdvisoryLock && !d.AdvisoryLocks {

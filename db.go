@@ -88,11 +88,6 @@ func (d DB) dialect() dbx.Dialect {
 	return dbx.DialectOf(d.pool)
 }
 
-// sqlite reports whether d is a SQLite database.
-//
-// Deprecated: ask dialect for the capability needed.
-func (d DB) sqlite() bool { return d.dialect() == dbx.SQLite }
-
 // querier is where statements of a publisher run.
 func (d DB) querier() dbx.Querier {
 	if d.tx != nil {

@@ -377,7 +377,7 @@ func (a *Admin) existing(ctx context.Context, topic string) (offsets.Tables, err
 // read runs fn on statements that only read: in a read-only transaction bounded by the
 // server on PostgreSQL, on the pool on SQLite (whose transactions take the write lock).
 func (a *Admin) read(ctx context.Context, fn func(dbx.Querier) error) error {
-	if a.sqlite {
+	if !a.dialect.StatementTimeouts {
 		return fn(a.db)
 	}
 	return a.readOnly(ctx, fn)

@@ -2,9 +2,7 @@ package sqlbroker
 
 import (
 	"context"
-	"fmt"
 	"math/rand/v2"
-	"strings"
 	"sync"
 	"time"
 
@@ -12,6 +10,7 @@ import (
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // Idle subscriptions: parking while there is nothing to claim (PostgreSQL; on SQLite see
@@ -61,7 +60,7 @@ func (sub *subscription) pokeDue() {
 // On SQLite a subscription does not park: there is no LISTEN to wake it from another process,
 // and it joins its pool's watch of commits instead (idlepark_sqlite.go).
 func (sub *subscription) joinIdlePoll() (leave func()) {
-	if sub.store.T.IsSQLite() {
+	if !sub.store.T.Dialect().Notify {
 		w, leaveWatch := joinCommitWatch(sub)
 		sub.claimer.sqlite.watch = w
 		return func() {
@@ -355,41 +354,16 @@ func (e *pollEntry) wake() {
 	}
 }
 
-// chunkSQL is the statement of one chunk: one branch per subscription, which returns the
-// branch's slot when the subscription's group has work: a claim due again (a lease ran out, a
-// nack's backoff passed, a claim released), a message after the group's position that may be
-// delivered (written by a transaction older than every running one), or, in the advisory mode,
-// more claims held by a lock than the subscription holds itself ($1, by slot), one of which
-// may have lost its holder. The table names are quoted by package offsets and the group id is
-// a number, so the text is built from trusted parts only; free slots read nothing. With held
-// given, the counts are written into the text instead of being read from $1.
+// chunkSQL is the statement of one chunk (offsets.IdleLookSQL): one branch per slot, nil for
+// a free slot. With held given, the counts of the advisory branches are written into the text
+// instead of being read from $1.
 func chunkSQL(slots []*pollEntry, held []int64) (string, bool) {
-	var b strings.Builder
-	adv := false
+	branches := make([]offsets.IdleBranch, len(slots))
 	for i, e := range slots {
-		if i > 0 {
-			b.WriteString("\nUNION ALL\n")
-		}
 		if e == nil {
-			fmt.Fprintf(&b, "SELECT %d::bigint WHERE false", i)
 			continue
 		}
-		t, g := e.sub.store.T, e.sub.groupID
-		fmt.Fprintf(&b, `SELECT %[1]d::bigint WHERE (SELECT 1 FROM %[2]s c WHERE c."group_id" = %[5]d AND c."visible_at" <= now() LIMIT 1) IS NOT NULL
-	OR (SELECT nx."offset" FROM %[3]s nx
-		WHERE (nx."xid", nx."offset") > ((SELECT "last_xid" FROM %[4]s WHERE "group_id" = %[5]d), (SELECT "last_offset" FROM %[4]s WHERE "group_id" = %[5]d))
-		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot())
-		ORDER BY nx."xid", nx."offset" LIMIT 1) IS NOT NULL`, i, t.Claims, t.Messages, t.Groups, g)
-		if e.sub.mode.holdsLocks() {
-			adv = true
-			n := fmt.Sprintf("($1::bigint[])[%d]", i+1)
-			if held != nil {
-				n = fmt.Sprintf("%d::bigint", held[i])
-			}
-			fmt.Fprintf(&b, `
-	OR (SELECT count(*) FROM (SELECT 1 FROM %[1]s c WHERE c."group_id" = %[2]d AND c."visible_at" = 'infinity'
-		LIMIT %[3]s + 1) h) > %[3]s`, t.Claims, g, n)
-		}
+		branches[i] = offsets.IdleBranch{Tables: &e.sub.store.T, GroupID: e.sub.groupID, Locks: e.sub.mode.holdsLocks()}
 	}
-	return b.String(), adv
+	return offsets.IdleLookSQL(branches, held)
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/wake"
 )
 
@@ -127,11 +128,7 @@ func (w *commitWatch) run(ctx context.Context) {
 		}
 	}()
 	var last int64
-	read := func() (int64, error) {
-		var v int64
-		err := dbx.QueryRow(ctx, conn, "PRAGMA data_version", nil, &v)
-		return v, err
-	}
+	read := func() (int64, error) { return offsets.DataVersion(ctx, conn) }
 	t := time.NewTimer(0)
 	defer t.Stop()
 	for {

@@ -123,7 +123,9 @@ func (sub *subscription) backendEnded(pid uint32) bool {
 	for {
 		var alive bool
 		err := sub.s.tracker.Run(ctx, stmtBackend, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
-			return dbx.QueryRow(ctx, q, "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", []any{int64(pid)}, &alive)
+			var err error
+			alive, err = offsets.BackendAlive(ctx, q, pid)
+			return err
 		})
 		if err == nil && !alive {
 			return true

@@ -73,7 +73,7 @@ type MigrateResult struct {
 // PostgreSQL's only. Each statement is bounded by StatementTimeout, the whole run by ctx.
 func (a *Admin) MigrateWatermillSQL(ctx context.Context, topic, group string, opts MigrateOptions) (MigrateResult, error) {
 	var res MigrateResult
-	if err := a.postgresOnly("MigrateWatermillSQL"); err != nil {
+	if err := a.inspects("MigrateWatermillSQL"); err != nil {
 		return res, err
 	}
 	src, err := newWatermillSource(topic, group, opts)

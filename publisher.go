@@ -63,11 +63,12 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 	if err := config.validate(); err != nil {
 		return nil, err
 	}
-	if db.sqlite() {
-		if config.Schema != "" {
-			return nil, &ConfigError{Field: "Schema", Value: config.Schema, Reason: "is PostgreSQL's: a SQLite database has no schemas, leave it empty"}
-		}
-		config.DisableNotify = true // SQLite has no NOTIFY: the wake-ups of this process remain
+	d := db.dialect()
+	if err := schemaOn(d, config.Schema); err != nil {
+		return nil, err
+	}
+	if !d.Notify {
+		config.DisableNotify = true // no NOTIFY there: the wake-ups of this process remain
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -80,7 +81,7 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 		db:     db,
 		config: config,
 		logger: logger,
-		topics: newTopics(config.Schema, config.TablePrefix, false, db.sqlite()),
+		topics: newTopicsOn(d, config.Schema, config.TablePrefix, false),
 
 		grouped: newGroupInsert(config.MaxGroupRows, config.MaxStatementBytes),
 		tracker: tracker,

@@ -90,7 +90,7 @@ const maxSettleBatch = 1000
 func (st *settler) run() {
 	defer close(st.drained)
 	var pending []settlement
-	lite := st.sub.store.T.IsSQLite()
+	inProcess := st.sub.store.T.Dialect().InProcess
 	for {
 		if len(pending) == 0 {
 			select {
@@ -117,7 +117,7 @@ func (st *settler) run() {
 				}
 			}
 		}
-		if lite {
+		if inProcess {
 			// SQLite runs its statements on the process's CPU, and every settlement statement is
 			// a write transaction of its own: under load the handlers that finish meanwhile are
 			// waiting for the CPU this loop holds. Letting them run first puts their acks in this

@@ -95,10 +95,8 @@ func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapte
 	if err := config.validate(); err != nil {
 		return nil, err
 	}
-	if db.sqlite() {
-		if err := config.validateSQLite(); err != nil {
-			return nil, err
-		}
+	if err := config.validateOn(db.dialect()); err != nil {
+		return nil, err
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -111,7 +109,7 @@ func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapte
 		db:       db.pool,
 		config:   config,
 		logger:   logger,
-		topics:   newTopics(config.Schema, config.TablePrefix, !config.SynchronousCommit, db.sqlite()),
+		topics:   newTopicsOn(db.dialect(), config.Schema, config.TablePrefix, !config.SynchronousCommit),
 		subs:     map[*subscription]struct{}{},
 		shutdown: make(chan struct{}),
 		done:     make(chan struct{}),

@@ -22,17 +22,6 @@ func newTopicsOn(d dbx.Dialect, schema, prefix string, asyncCommit bool) *topics
 	return &topics{dialect: d, schema: schema, prefix: prefix, asyncCommit: asyncCommit, ready: map[string]*offsets.Store{}}
 }
 
-// newTopics is newTopicsOn for the database sqlite names.
-//
-// Deprecated: call newTopicsOn(db.dialect(), ...).
-func newTopics(schema, prefix string, asyncCommit, sqlite bool) *topics {
-	d := dbx.Postgres
-	if sqlite {
-		d = dbx.SQLite
-	}
-	return newTopicsOn(d, schema, prefix, asyncCommit)
-}
-
 // tables names the tables of topic, on the database of t.
 func (t *topics) tables(topic string) offsets.Tables {
 	return tablesOn(t.dialect, t.schema, t.prefix, topic)

@@ -49,11 +49,6 @@ func DialectOf(q any) Dialect {
 	return Postgres
 }
 
-// IsSQLite reports whether q runs on SQLite.
-//
-// Deprecated: ask DialectOf(q) for the capability needed.
-func IsSQLite(q any) bool { return DialectOf(q) == SQLite }
-
 // TxAccess is what SetTxTimeouts does with a transaction's access mode.
 type TxAccess int
 

@@ -712,3 +712,51 @@ func (postgres) keyPrune(ctx context.Context, k KeyTable, q dbx.Querier, limit i
 	SELECT "key" FROM %[1]s WHERE "expires_at" <= clock_timestamp() ORDER BY "expires_at" LIMIT $1 FOR UPDATE SKIP LOCKED))
 	AND "expires_at" <= clock_timestamp()`, k.Table), limit)
 }
+
+// IdleBranch is one subscription in the shared poll's look (IdleLookSQL); a zero IdleBranch
+// (Tables nil) is a free slot.
+type IdleBranch struct {
+	Tables  *Tables
+	GroupID int32
+	Locks   bool // the advisory mode: claims held by locks are counted against $1
+}
+
+// IdleLookSQL is PostgreSQL's statement of the shared poll of idle subscriptions: one branch
+// per slot, which returns the slot's index when the subscription's group has work: a claim
+// due again (a lease ran out, a nack's backoff passed, a claim released), a message after the
+// group's position that may be delivered (written by a transaction older than every running
+// one), or, in the advisory mode, more claims held by a lock than the subscription holds
+// itself ($1, by slot), one of which may have lost its holder. The table names are quoted and
+// the group id is a number, so the text is built from trusted parts only; free slots read
+// nothing. With held given, the counts are written into the text instead of being read from
+// $1. It reports whether any branch reads $1's counts.
+func IdleLookSQL(branches []IdleBranch, held []int64) (string, bool) {
+	var b strings.Builder
+	adv := false
+	for i, br := range branches {
+		if i > 0 {
+			b.WriteString("\nUNION ALL\n")
+		}
+		if br.Tables == nil {
+			fmt.Fprintf(&b, "SELECT %d::bigint WHERE false", i)
+			continue
+		}
+		t, g := br.Tables, br.GroupID
+		fmt.Fprintf(&b, `SELECT %[1]d::bigint WHERE (SELECT 1 FROM %[2]s c WHERE c."group_id" = %[5]d AND c."visible_at" <= now() LIMIT 1) IS NOT NULL
+	OR (SELECT nx."offset" FROM %[3]s nx
+		WHERE (nx."xid", nx."offset") > ((SELECT "last_xid" FROM %[4]s WHERE "group_id" = %[5]d), (SELECT "last_offset" FROM %[4]s WHERE "group_id" = %[5]d))
+		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot())
+		ORDER BY nx."xid", nx."offset" LIMIT 1) IS NOT NULL`, i, t.Claims, t.Messages, t.Groups, g)
+		if br.Locks {
+			adv = true
+			n := fmt.Sprintf("($1::bigint[])[%d]", i+1)
+			if held != nil {
+				n = fmt.Sprintf("%d::bigint", held[i])
+			}
+			fmt.Fprintf(&b, `
+	OR (SELECT count(*) FROM (SELECT 1 FROM %[1]s c WHERE c."group_id" = %[2]d AND c."visible_at" = 'infinity'
+		LIMIT %[3]s + 1) h) > %[3]s`, t.Claims, g, n)
+		}
+	}
+	return b.String(), adv
+}

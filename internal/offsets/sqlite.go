@@ -627,3 +627,11 @@ func (sqlite) keyPrune(ctx context.Context, k KeyTable, q dbx.Querier, limit int
 	return q.Exec(ctx, fmt.Sprintf(`DELETE FROM %[1]s WHERE "key" IN (
 	SELECT "key" FROM %[1]s WHERE "expires_at" <= %[2]s ORDER BY "expires_at" LIMIT ?1)`, k.Table, sqliteNow), limit)
 }
+
+// DataVersion reads SQLite's PRAGMA data_version on q, a connection of its own: the number
+// changes when another connection to the file has committed.
+func DataVersion(ctx context.Context, q dbx.Querier) (int64, error) {
+	var v int64
+	err := dbx.QueryRow(ctx, q, "PRAGMA data_version", nil, &v)
+	return v, err
+}

@@ -93,11 +93,6 @@ func (t Tables) OnSQLite() Tables { return t.On(dbx.SQLite) }
 // Dialect says what the tables' database can do.
 func (t Tables) Dialect() dbx.Dialect { return t.database().dialect() }
 
-// IsSQLite reports whether t is for a SQLite database.
-//
-// Deprecated: ask Dialect for the capability needed.
-func (t Tables) IsSQLite() bool { return t.Dialect() == dbx.SQLite }
-
 // database is the database of t: PostgreSQL unless On said otherwise.
 func (t Tables) database() database {
 	if t.db == nil {
