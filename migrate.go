@@ -10,9 +10,9 @@ import (
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
 // DefaultMigrateBatchSize is the default of MigrateOptions.BatchSize.
@@ -145,40 +145,25 @@ func (a *Admin) migrateBatch(ctx context.Context, tx dbx.Tx, src watermillSource
 	if err != nil {
 		return 0, err
 	}
-	rows, err := tx.Query(ctx, `SELECT "offset", transaction_id::text, uuid, payload, COALESCE(metadata::text, '')
-	FROM `+src.messages+`
-	WHERE ((transaction_id = $1::text::xid8 AND "offset" > $2) OR transaction_id > $1::text::xid8)
-	AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
-	ORDER BY transaction_id, "offset" LIMIT $3`, pos.txID, pos.offset, size)
+	read, err := src.sql.Read(ctx, tx, pos, size)
 	if err != nil {
 		return 0, err
 	}
-	var msgs []*message.Message
+	msgs := make([]*message.Message, 0, len(read))
 	last := pos
-	for rows.Next() {
-		var uuid, metadata string
-		var payload []byte
-		if err := rows.Scan(&last.offset, &last.txID, &uuid, &payload, &metadata); err != nil {
-			rows.Close()
-			return 0, err
+	for _, r := range read {
+		last = r.Pos
+		if r.UUID == "" {
+			return 0, fmt.Errorf("%s: the message of offset %d has an empty UUID, which this library refuses", src.sql.Messages, r.Pos.Offset)
 		}
-		if uuid == "" {
-			rows.Close()
-			return 0, fmt.Errorf("%s: the message of offset %d has an empty UUID, which this library refuses", src.messages, last.offset)
-		}
-		msg := message.NewMessage(uuid, payload)
-		if metadata != "" && metadata != "null" {
-			if err := json.Unmarshal([]byte(metadata), &msg.Metadata); err != nil {
-				rows.Close()
-				return 0, fmt.Errorf("%s: the metadata of offset %d is not a JSON object of strings: %w", src.messages, last.offset, err)
+		msg := message.NewMessage(r.UUID, r.Payload)
+		if r.Metadata != "" && r.Metadata != "null" {
+			if err := json.Unmarshal([]byte(r.Metadata), &msg.Metadata); err != nil {
+				return 0, fmt.Errorf("%s: the metadata of offset %d is not a JSON object of strings: %w", src.sql.Messages, r.Pos.Offset, err)
 			}
 		}
 		msg.SetContext(ctx)
 		msgs = append(msgs, msg)
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return 0, err
 	}
 	if len(msgs) == 0 {
 		return 0, nil
@@ -207,8 +192,7 @@ func (a *Admin) migrateBatch(ctx context.Context, tx dbx.Tx, src watermillSource
 		}
 		start = end
 	}
-	if _, err := tx.Exec(ctx, `UPDATE `+src.offsets+` SET offset_acked = $2, last_processed_transaction_id = $3::text::xid8
-	WHERE consumer_group = $1`, src.group, last.offset, last.txID); err != nil {
+	if err := src.sql.Advance(ctx, tx, src.group, last); err != nil {
 		return 0, err
 	}
 	return len(msgs), nil
@@ -216,14 +200,8 @@ func (a *Admin) migrateBatch(ctx context.Context, tx dbx.Tx, src watermillSource
 
 // watermillSource is a topic's tables in watermill-sql, and the consumer group migrated.
 type watermillSource struct {
-	topic, group      string
-	messages, offsets string // quoted
-}
-
-// watermillPosition is a watermill-sql group's position: the last message it consumed.
-type watermillPosition struct {
-	offset int64
-	txID   string // xid8, as text
+	topic, group string
+	sql          offsets.WatermillSQL
 }
 
 func newWatermillSource(topic, group string, opts MigrateOptions) (watermillSource, error) {
@@ -241,15 +219,9 @@ func newWatermillSource(topic, group string, opts MigrateOptions) (watermillSour
 	if opts.OffsetsTable == "" {
 		opts.OffsetsTable = "watermill_offsets_" + topic
 	}
-	ident := func(name string) pgx.Identifier {
-		if opts.SourceSchema != "" {
-			return pgx.Identifier{opts.SourceSchema, name}
-		}
-		return pgx.Identifier{name}
-	}
 	return watermillSource{
 		topic: topic, group: group,
-		messages: ident(opts.MessagesTable).Sanitize(), offsets: ident(opts.OffsetsTable).Sanitize(),
+		sql: offsets.NewWatermillSQL(opts.SourceSchema, opts.MessagesTable, opts.OffsetsTable),
 	}, nil
 }
 
@@ -257,14 +229,12 @@ func newWatermillSource(topic, group string, opts MigrateOptions) (watermillSour
 var errNoWatermillTable = errors.New("no such table")
 
 func (s watermillSource) check(ctx context.Context, q dbx.Querier) error {
-	for _, t := range []string{s.messages, s.offsets} {
-		var found bool
-		if err := dbx.QueryRow(ctx, q, `SELECT to_regclass($1) IS NOT NULL`, []any{t}, &found); err != nil {
-			return err
-		}
-		if !found {
-			return fmt.Errorf("watermill-sql's table %s: %w (check the topic, SourceSchema and the table names)", t, errNoWatermillTable)
-		}
+	t, err := s.sql.Missing(ctx, q)
+	if err != nil {
+		return err
+	}
+	if t != "" {
+		return fmt.Errorf("watermill-sql's table %s: %w (check the topic, SourceSchema and the table names)", t, errNoWatermillTable)
 	}
 	return nil
 }
@@ -273,31 +243,18 @@ func (s watermillSource) check(ctx context.Context, q dbx.Querier) error {
 // consumers do for as long as they handle a batch. A group without a row never subscribed (a
 // watermill-sql subscriber writes it before its first read): most likely a typo, which would
 // copy the whole table, so it is refused, naming the groups there are.
-func (s watermillSource) position(ctx context.Context, q dbx.Querier, lock bool) (watermillPosition, error) {
-	var pos watermillPosition
-	query := `SELECT COALESCE(offset_acked, 0), last_processed_transaction_id::text FROM ` + s.offsets + ` WHERE consumer_group = $1`
-	if lock {
-		query += ` FOR UPDATE`
-	}
-	err := dbx.QueryRow(ctx, q, query, []any{s.group}, &pos.offset, &pos.txID)
+func (s watermillSource) position(ctx context.Context, q dbx.Querier, lock bool) (offsets.WatermillPosition, error) {
+	pos, err := s.sql.Position(ctx, q, s.group, lock)
 	if !errors.Is(err, dbx.ErrNoRows) {
 		return pos, err
 	}
-	rows, err := q.Query(ctx, `SELECT consumer_group FROM `+s.offsets+` ORDER BY consumer_group LIMIT 11`)
+	names, err := s.sql.Groups(ctx, q, 11)
 	if err != nil {
 		return pos, err
 	}
-	defer rows.Close()
-	var groups []string
-	for rows.Next() {
-		var g string
-		if err := rows.Scan(&g); err != nil {
-			return pos, err
-		}
-		groups = append(groups, strconv.Quote(g))
-	}
-	if err := rows.Err(); err != nil {
-		return pos, err
+	groups := make([]string, len(names))
+	for i, g := range names {
+		groups[i] = strconv.Quote(g)
 	}
 	if len(groups) > 10 {
 		groups = append(groups[:10], "...")
@@ -305,17 +262,11 @@ func (s watermillSource) position(ctx context.Context, q dbx.Querier, lock bool)
 	if len(groups) == 0 {
 		groups = []string{"none"}
 	}
-	return pos, fmt.Errorf("watermill-sql's consumer group %q has no row in %s (groups there: %s)", s.group, s.offsets, strings.Join(groups, ", "))
+	return pos, fmt.Errorf("watermill-sql's consumer group %q has no row in %s (groups there: %s)", s.group, s.sql.Offsets, strings.Join(groups, ", "))
 }
 
 // count counts the messages after pos: those a batch may copy now, and those a running
 // transaction holds back.
-func (s watermillSource) count(ctx context.Context, q dbx.Querier, pos watermillPosition) (due, heldBack int64, err error) {
-	err = dbx.QueryRow(ctx, q, `SELECT
-		count(*) FILTER (WHERE transaction_id < pg_snapshot_xmin(pg_current_snapshot())),
-		count(*) FILTER (WHERE transaction_id >= pg_snapshot_xmin(pg_current_snapshot()))
-	FROM `+s.messages+`
-	WHERE (transaction_id = $1::text::xid8 AND "offset" > $2) OR transaction_id > $1::text::xid8`,
-		[]any{pos.txID, pos.offset}, &due, &heldBack)
-	return due, heldBack, err
+func (s watermillSource) count(ctx context.Context, q dbx.Querier, pos offsets.WatermillPosition) (due, heldBack int64, err error) {
+	return s.sql.Count(ctx, q, pos)
 }
