@@ -1,10 +1,11 @@
-// Package sqlbroker is a Watermill Publisher and Subscriber over PostgreSQL tables, for pgx/v5
-// and database/sql.
+// Package sqlbroker is a Watermill Publisher and Subscriber over SQL tables: PostgreSQL, for
+// pgx/v5 and database/sql, and SQLite (the lease mode) through modernc.org/sqlite.
 //
 // # Drivers
 //
-// Wrap the caller's pool with Pgx or StdSQL, or the caller's transaction with PgxTx or StdTx
-// to publish inside it. The library never closes a pool it was given.
+// Wrap the caller's pool with Pgx, StdSQL or SQLite, or the caller's transaction with PgxTx,
+// StdTx or SQLiteTx to publish inside it. The library never closes a pool it was given. Open
+// builds a Broker that owns its pool from a URL (postgres:// or sqlite:).
 //
 // # Delivery
 //

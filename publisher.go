@@ -116,8 +116,8 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 //
 // With a transaction DB, the messages join the caller's transaction and become visible when
 // it commits; a cancel during the statement then returns the context's error, and the
-// caller's transaction decides the rest. On pgx (a pool or a pgx.Tx), large writes use COPY
-// (offsets.CopyMinRows).
+// caller's transaction decides the rest. On pgx (a pool or a pgx.Tx), a call of 500 messages
+// or more is written with COPY.
 func (p *Publisher) Publish(topic string, messages ...*message.Message) error {
 	if p.ownerClosed != nil && p.ownerClosed() {
 		return ErrClosed

@@ -84,11 +84,12 @@ type Stats struct {
 	LocksHeld        int   // advisory locks held by the lock connections, now (advisory mode)
 }
 
-// NewSubscriber builds a Subscriber on db, which must wrap a pool (Pgx or StdSQL). A nil
-// logger logs nothing. Nothing is sent to the database until Subscribe.
+// NewSubscriber builds a Subscriber on db, which must wrap a pool (Pgx, StdSQL or SQLite; on
+// SQLite the lease mode only). A nil logger logs nothing. Nothing is sent to the database
+// until Subscribe.
 func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	if db.pool == nil {
-		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx or sqlbroker.StdSQL (a transaction can only publish)"}
+		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL or sqlbroker.SQLite (a transaction can only publish)"}
 	}
 	batch := config.BatchSize
 	config.setDefaults()
