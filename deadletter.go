@@ -57,7 +57,7 @@ func (s *Subscriber) deadLetterStore(ctx context.Context, topic string) (*offset
 	if err != nil {
 		return nil, err
 	}
-	return s.topics.store(ctx, s.db, s.db, name, s.config.InitializeSchema)
+	return s.stores.store(ctx, s.db, s.db, name, s.config.InitializeSchema)
 }
 
 // overAttempts reports whether the delivery d must go to the dead-letter topic rather than

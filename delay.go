@@ -54,7 +54,7 @@ func delayedUntil(md message.Metadata, now time.Time) (time.Time, bool, error) {
 // them, each at its own time; and it counts them (passed), so that the claim loop claims
 // again at once: the claim's room went to them, and the messages behind may be waiting.
 func (sub *subscription) passDelayed(cs []offsets.Claimed, err error) []offsets.Claimed {
-	cs, delayed := offsets.Split(cs)
+	cs, delayed := offsets.TakeDelayed(cs)
 	if err == nil {
 		for _, at := range delayed {
 			sub.claimer.markDue(at)

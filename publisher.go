@@ -21,7 +21,7 @@ type Publisher struct {
 	db     DB
 	config PublisherConfig
 	logger watermill.LoggerAdapter
-	topics *topics
+	stores *storeCache
 
 	mu       sync.Mutex
 	closed   bool
@@ -81,7 +81,7 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 		db:     db,
 		config: config,
 		logger: logger,
-		topics: newTopicsOn(d, config.Schema, config.TablePrefix, false),
+		stores: newStoreCache(d, config.Schema, config.TablePrefix, false),
 
 		grouped: newGroupInsert(config.MaxGroupRows, config.MaxStatementBytes),
 		tracker: tracker,
@@ -184,15 +184,15 @@ func (p *Publisher) store(ctx context.Context, topic string) (*offsets.Store, er
 		return nil, err // before a connection is taken for it
 	}
 	if p.db.tx != nil {
-		return p.topics.store(ctx, nil, p.db.tx, topic, p.config.InitializeSchema)
+		return p.stores.store(ctx, nil, p.db.tx, topic, p.config.InitializeSchema)
 	}
-	if s := p.topics.cached(topic); s != nil {
+	if s := p.stores.cached(topic); s != nil {
 		return s, nil
 	}
 	var s *offsets.Store
 	err := p.run(ctx, stmtSchema, 0, func(ctx context.Context, q dbx.Querier) error {
 		var err error
-		s, err = p.topics.store(ctx, q.(dbx.Beginner), q, topic, p.config.InitializeSchema)
+		s, err = p.stores.store(ctx, q.(dbx.Beginner), q, topic, p.config.InitializeSchema)
 		return err
 	})
 	return s, err
@@ -218,7 +218,7 @@ func (p *Publisher) publishErr(topic string, store *offsets.Store, err error) er
 		return fmt.Errorf("sqlbroker: publish to %q: %w; nothing was written", topic, err)
 	}
 	if store != nil && dbx.SQLState(err) == dbx.CodeUndefinedTable {
-		p.topics.forget(topic)
+		p.stores.forget(topic)
 		return fmt.Errorf("sqlbroker: publish to %q: %w", topic, &MissingTableError{Topic: topic, Table: store.T.Messages})
 	}
 	return fmt.Errorf("sqlbroker: publish to %q: %w", topic, err)

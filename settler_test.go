@@ -24,7 +24,7 @@ func settlerRig(t *testing.T, mode ClaimMode) *subscription {
 	db := Pgx(testdb.Pgx(t))
 	s, err := NewSubscriber(db, SubscriberConfig{ConsumerGroup: "g", ClaimMode: mode, InitializeSchema: true, MaxInFlight: 16}, nil)
 	require.NoError(t, err)
-	store, err := s.topics.store(ctx, s.db, s.db, topic, true)
+	store, err := s.stores.store(ctx, s.db, s.db, topic, true)
 	require.NoError(t, err)
 	groupID, err := store.EnsureGroup(ctx, s.db, "g", false)
 	require.NoError(t, err)

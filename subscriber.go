@@ -31,7 +31,7 @@ type Subscriber struct {
 	db     dbx.Pool
 	config SubscriberConfig
 	logger watermill.LoggerAdapter
-	topics *topics
+	stores *storeCache
 
 	mu       sync.Mutex
 	closed   bool
@@ -110,7 +110,7 @@ func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapte
 		db:       db.pool,
 		config:   config,
 		logger:   logger,
-		topics:   newTopicsOn(db.dialect(), config.Schema, config.TablePrefix, !config.SynchronousCommit),
+		stores:   newStoreCache(db.dialect(), config.Schema, config.TablePrefix, !config.SynchronousCommit),
 		subs:     map[*subscription]struct{}{},
 		shutdown: make(chan struct{}),
 		done:     make(chan struct{}),
@@ -152,7 +152,7 @@ func (s *Subscriber) tablesOf(topic string) (offsets.Tables, error) {
 	if err := validateTopic(topic); err != nil {
 		return offsets.Tables{}, err
 	}
-	return s.topics.tables(topic), nil
+	return s.stores.tables(topic), nil
 }
 
 // Subscribe starts claiming messages of topic for the consumer group and returns the channel
@@ -179,7 +179,7 @@ func (s *Subscriber) subscribe(ctx context.Context, topic string) (*subscription
 	if closed {
 		return nil, ErrClosed
 	}
-	store, err := s.topics.store(ctx, s.db, s.db, topic, s.config.InitializeSchema)
+	store, err := s.stores.store(ctx, s.db, s.db, topic, s.config.InitializeSchema)
 	if err != nil {
 		return nil, fmt.Errorf("sqlbroker: subscribe to %q: %w", topic, err)
 	}

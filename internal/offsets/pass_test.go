@@ -90,7 +90,7 @@ func TestClaimPassing_delayedDoNotTakeTheRoom(t *testing.T) {
 						passed = append(passed, c.Offset)
 					}
 				}
-				kept, delayed := offsets.Split(cs) // in place
+				kept, delayed := offsets.TakeDelayed(cs) // in place
 				for _, c := range kept {
 					claimed = append(claimed, c.Offset)
 				}

@@ -45,9 +45,9 @@ type Claimed struct {
 	Delayed time.Time
 }
 
-// Split moves the delayed entries (Claimed.Delayed) of cs out of it, keeping the order of the
+// TakeDelayed moves the delayed entries (Claimed.Delayed) of cs out of it, keeping the order of the
 // others, and returns their times, in the order of cs.
-func Split(cs []Claimed) ([]Claimed, []time.Time) {
+func TakeDelayed(cs []Claimed) ([]Claimed, []time.Time) {
 	var delayed []time.Time
 	kept := cs[:0]
 	for _, c := range cs {

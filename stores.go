@@ -8,8 +8,9 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
 
-// topics caches, per topic, the prepared SQL and whether its schema was created or checked.
-type topics struct {
+// storeCache holds one offsets.Store a topic: its prepared statements, kept once its tables
+// were created or checked.
+type storeCache struct {
 	dialect        dbx.Dialect // of the database the tables are in
 	schema, prefix string
 	asyncCommit    bool
@@ -18,12 +19,12 @@ type topics struct {
 	ready map[string]*offsets.Store
 }
 
-func newTopicsOn(d dbx.Dialect, schema, prefix string, asyncCommit bool) *topics {
-	return &topics{dialect: d, schema: schema, prefix: prefix, asyncCommit: asyncCommit, ready: map[string]*offsets.Store{}}
+func newStoreCache(d dbx.Dialect, schema, prefix string, asyncCommit bool) *storeCache {
+	return &storeCache{dialect: d, schema: schema, prefix: prefix, asyncCommit: asyncCommit, ready: map[string]*offsets.Store{}}
 }
 
 // tables names the tables of topic, on the database of t.
-func (t *topics) tables(topic string) offsets.Tables {
+func (t *storeCache) tables(topic string) offsets.Tables {
 	return tablesOn(t.dialect, t.schema, t.prefix, topic)
 }
 
@@ -33,7 +34,7 @@ func tablesOn(d dbx.Dialect, schema, prefix, topic string) offsets.Tables {
 }
 
 // cached returns the statements of topic when an earlier call of store has checked its tables.
-func (t *topics) cached(topic string) *offsets.Store {
+func (t *storeCache) cached(topic string) *offsets.Store {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.ready[topic]
@@ -42,7 +43,7 @@ func (t *topics) cached(topic string) *offsets.Store {
 // store validates topic and returns its statements. The first call for a topic creates the
 // tables (initialize) or checks that they exist with this schema version: through pool (a
 // pool or one of its connections), or q alone inside a caller's transaction (pool nil).
-func (t *topics) store(ctx context.Context, pool dbx.Beginner, q dbx.Querier, topic string, initialize bool) (*offsets.Store, error) {
+func (t *storeCache) store(ctx context.Context, pool dbx.Beginner, q dbx.Querier, topic string, initialize bool) (*offsets.Store, error) {
 	if err := validateName("topic", topic); err != nil {
 		return nil, err
 	}
@@ -82,7 +83,7 @@ func (t *topics) store(ctx context.Context, pool dbx.Beginner, q dbx.Querier, to
 }
 
 // forget drops the cached state of topic, so that the next use checks its tables again.
-func (t *topics) forget(topic string) {
+func (t *storeCache) forget(topic string) {
 	t.mu.Lock()
 	delete(t.ready, topic)
 	t.mu.Unlock()
