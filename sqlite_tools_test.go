@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
@@ -191,4 +192,38 @@ func TestBroker_DBServesEverything(t *testing.T) {
 			}
 		})
 	}
+}
+
+// On SQLite, the Admin finds every topic of the file by its name (also one whose table
+// names carry a hash: SQLite compares them without regard to case), and a lag past the
+// count cap is estimated from offsets, as on PostgreSQL.
+func TestAdmin_sqliteTopicsAndLagPastTheCap(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	raw := testdb.SQLite(t)
+	testdb.NewState(t, dbx.NewSQLitePool(raw), "orders", "orders.dead")
+	db := sqlbroker.SQLite(raw)
+	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	defer pub.Close()
+	require.NoError(t, pub.Publish("Orders", message.NewMessage("x", nil)))
+
+	admin, err := sqlbroker.NewAdmin(db, sqlbroker.AdminConfig{CountCap: 3})
+	require.NoError(t, err)
+	topics, more, err := admin.Topics(ctx)
+	require.NoError(t, err)
+	assert.False(t, more)
+	assert.Equal(t, []string{"Orders", "orders", "orders.dead"}, topics)
+
+	ins, err := admin.Inspect(ctx, sqlbroker.InspectOptions{})
+	require.NoError(t, err)
+	require.Len(t, ins.Topics, 3)
+	assert.Equal(t, "Orders", ins.Topics[0].Topic)
+	assert.Contains(t, ins.Topics[0].Table, "#", "the upper-case topic's tables")
+	assert.Empty(t, ins.Topics[0].Groups)
+	g := ins.Topics[1].Groups
+	require.Len(t, g, 2)
+	assert.Equal(t, []any{"ahead", int64(2), false}, []any{g[0].Group, g[0].Lag, g[0].LagEstimated})
+	assert.Equal(t, []any{"behind", int64(10), true}, []any{g[1].Group, g[1].Lag, g[1].LagEstimated})
+	assert.Equal(t, int64(3), g[0].InWork, "claims are counted up to the cap")
 }
