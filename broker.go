@@ -99,8 +99,9 @@ type Broker struct {
 // lock instead of failing) and synchronous=NORMAL: in WAL mode a commit then waits for no
 // disk flush, which survives a crash of the program and loses at most the last commits
 // before a power cut or an operating-system crash; append _pragma=synchronous(FULL) to the
-// URL to flush every commit. Every transaction of the library begins with BEGIN IMMEDIATE.
-// SQLite runs the lease claim mode only.
+// URL to flush every commit. Every transaction of the library begins with BEGIN IMMEDIATE,
+// and so does every transaction the caller begins on SQLDB (_txlock=immediate, unless the URL
+// sets _txlock). SQLite runs the lease claim mode only.
 func Open(rawURL string, config BrokerConfig, logger watermill.LoggerAdapter) (*Broker, error) {
 	config.setDefaults()
 	if err := config.validate(); err != nil {
