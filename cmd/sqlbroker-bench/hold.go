@@ -25,9 +25,10 @@ import (
 // rows; at the end a summary of the hold.
 
 const (
-	holdPublishers = 4 // goroutines publishing the paced batches
-	holdSubs       = 2 // Subscriber objects per consumer group
-	holdWindow     = 5 // samples (seconds) in a window of the summary
+	holdPublishers = 8   // goroutines publishing the paced batches
+	holdMaxBatch   = 100 // messages per Publish call at most
+	holdSubs       = 2   // Subscriber objects per consumer group
+	holdWindow     = 5   // samples (seconds) in a window of the summary
 )
 
 // The topic's tables, in the order of a sample's stats.
@@ -199,9 +200,10 @@ func (h *holdSpan) covers(a, b time.Duration) bool {
 	return opened && from <= a && (!closed || b <= to)
 }
 
-// pacer publishes at a fixed rate: every 10 ms it queues what is due by then, in batches of
-// rate/100 messages (at most 100) for holdPublishers goroutines. When they cannot keep up, what
-// is due waits, and the pacer records how far behind it fell.
+// pacer publishes at a fixed rate: every 10 ms it queues what is due by then for
+// holdPublishers goroutines, in batches of rate/100 messages (at most holdMaxBatch). When they
+// cannot keep up, what is due waits and goes in larger batches (up to holdMaxBatch) as soon as
+// a publisher is free, and the pacer records how far behind it fell.
 type pacer struct {
 	published atomic.Int64
 	due       atomic.Int64
@@ -215,7 +217,7 @@ type pacer struct {
 
 func startPacer(ctx context.Context, pub message.Publisher, topic string, rate int, payload []byte) *pacer {
 	ctx, cancel := context.WithCancel(ctx)
-	p := &pacer{batch: min(max(rate/100, 1), 100), cancel: cancel}
+	p := &pacer{batch: min(max(rate/100, 1), holdMaxBatch), cancel: cancel}
 	jobs := make(chan int, holdPublishers)
 	for range holdPublishers {
 		p.wg.Add(1)
@@ -256,9 +258,10 @@ func startPacer(ctx context.Context, pub message.Publisher, topic string, rate i
 			p.due.Store(due)
 		fill:
 			for due-queued >= int64(p.batch) {
+				n := int(min(due-queued, holdMaxBatch))
 				select {
-				case jobs <- p.batch:
-					queued += int64(p.batch)
+				case jobs <- n:
+					queued += int64(n)
 				default:
 					break fill // every publisher is busy: the rest waits for the next tick
 				}
@@ -354,7 +357,9 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 	fmt.Printf("## Scenario 11, hold: %s, %d consumer group(s) of %d subscribers, %d msg/s offered for %s, Retention %s; "+
 		"a REPEATABLE READ reader holds the xmin horizon from %s for %s\n\n",
 		c, groups, holdSubs, cfg.holdRate, cfg.holdDuration, cfg.holdRetention, cfg.holdAt, cfg.holdFor)
-	fmt.Printf("rates per second; lag = published - handled, the group furthest behind; e/scan = index entries read per index scan in that second (- = no scan); dead = n_dead_tup\n\n")
+	fmt.Printf("Rates per second; handled: one column per group; lag = published - handled, of the group furthest behind. " +
+		"Per table: index entries read per index scan in that second (pg_stat_user_indexes, summed over the table's indexes; - = no scan) " +
+		"and dead rows (n_dead_tup). Backends report these counts about once a second, so a second's figures may include the one before.\n\n")
 	fmt.Printf("%5s %-6s %8s %-*s %8s | %8s %9s | %8s %9s | %8s %9s\n", "t", "phase", "offered", 8*groups+groups-1, "handled", "lag",
 		"claims", "dead", "messages", "dead", "groups", "dead")
 
