@@ -18,8 +18,8 @@ import (
 // delivered (or a copy of one: the delivery travels in the message's context).
 var ErrNotDelivered = errors.New("sqlbroker: the message was not delivered by a sqlbroker Subscriber")
 
-// AckInTx settles msg inside the caller's transaction tx (PgxTx or StdTx, on the database of
-// the subscriber that delivered msg): the message's claim is deleted by a statement of tx,
+// AckInTx settles msg inside the caller's transaction tx (PgxTx, StdTx or SQLiteTx, on the
+// database of the subscriber that delivered msg): the message's claim is deleted by a statement of tx,
 // fenced by the delivery's token, so the handler's own writes in tx and the ack commit
 // together, or neither does. If the claim is no longer this delivery's (its lease ran out and
 // another consumer took the message, or in advisory mode its lock went with its connection),
@@ -30,11 +30,12 @@ var ErrNotDelivered = errors.New("sqlbroker: the message was not delivered by a 
 // Ack that follows changes nothing in the database and is not counted as stale, and in
 // advisory mode it drops the message's lock. A Nack that follows instead (the caller rolled
 // back) gives the message back as usual. Commit promptly: the claim's row stays locked by tx
-// until it ends, and its lease is no longer extended. tx must run at READ COMMITTED, the
+// until it ends (on SQLite, the database's write lock is held), and its lease is no longer
+// extended. tx must run at READ COMMITTED, the
 // PostgreSQL default.
 func AckInTx(ctx context.Context, tx DB, msg *message.Message) error {
 	if tx.tx == nil {
-		return &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap the caller's transaction: use sqlbroker.PgxTx or sqlbroker.StdTx"}
+		return &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap the caller's transaction: use sqlbroker.PgxTx, sqlbroker.StdTx or sqlbroker.SQLiteTx"}
 	}
 	if msg == nil {
 		return fmt.Errorf("sqlbroker: AckInTx: %w", ErrNotDelivered)

@@ -99,10 +99,14 @@ type Admin struct {
 	dialect dbx.Dialect
 }
 
-// NewAdmin builds an Admin on db, which must wrap a pool (Pgx, StdSQL or SQLite). On SQLite
-// it runs DeadLetters, Peek, Redrive and Prune; the other methods read PostgreSQL's catalog
-// and return a ConfigError there.
+// NewAdmin builds an Admin on db, which must wrap a pool (Pgx, StdSQL or SQLite). Every
+// method runs on SQLite too, except MigrateWatermillSQL (watermill-sql's tables are
+// PostgreSQL's): there Inspect reports what has a meaning on SQLite and marks the rest not
+// applicable (see Horizon.NotApplicable).
 func NewAdmin(db DB, config AdminConfig) (*Admin, error) {
+	if err := db.refused(); err != nil {
+		return nil, err
+	}
 	if db.pool == nil {
 		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL or sqlbroker.SQLite"}
 	}
@@ -116,13 +120,12 @@ func NewAdmin(db DB, config AdminConfig) (*Admin, error) {
 	return &Admin{db: db.pool, config: config, dialect: db.dialect()}, nil
 }
 
-// inspects refuses, on a database without the operator statements (SQLite), a method that
-// reads PostgreSQL's catalog.
+// inspects refuses, on a database without the operator statements, a method that needs them.
 func (a *Admin) inspects(method string) error {
 	if offsets.Inspects(a.dialect) {
 		return nil
 	}
-	return &ConfigError{Field: "db", Value: a.dialect.Name, Reason: "Admin." + method + " reads PostgreSQL's catalog and is PostgreSQL's only"}
+	return &ConfigError{Field: "db", Value: a.dialect.Name, Reason: "Admin." + method + " has no statements for this database"}
 }
 
 // Inspection is the state of topics, as Inspect read it.
@@ -131,7 +134,7 @@ type Inspection struct {
 	// MoreTopics says that the catalog holds more topics than MaxTopics.
 	MoreTopics bool `json:"more_topics,omitempty"`
 	// Horizon is the oldest transaction of the cluster that holds an xid. Messages written
-	// after it started are delivered only once it ends.
+	// after it started are delivered only once it ends. On SQLite it is not applicable.
 	Horizon Horizon `json:"horizon"`
 }
 
@@ -153,6 +156,10 @@ type Horizon struct {
 	Application string `json:"application,omitempty"`
 	State       string `json:"state,omitempty"`
 	Database    string `json:"database,omitempty"`
+	// NotApplicable says that the database has no such horizon: on SQLite offsets commit in
+	// order and no transaction holds a message back. The other fields are then zero, and so
+	// is every GroupState.HeldBack.
+	NotApplicable bool `json:"not_applicable,omitempty"`
 }
 
 // TopicState is the state of one topic.
@@ -185,7 +192,7 @@ type GroupState struct {
 	// back, or whose lease ran out.
 	Due int64 `json:"due"`
 	// HeldBack counts messages after the group's position that the oldest running
-	// transaction holds back (see Horizon).
+	// transaction holds back (see Horizon); 0 where Horizon.NotApplicable.
 	HeldBack int64 `json:"held_back"`
 	// OldestUnsettled is the age of the oldest message the group has not settled (its claim
 	// with the lowest offset, or the next message after its position); 0 when there is none.
@@ -218,8 +225,8 @@ type InspectOptions struct {
 	// MaxTopics).
 	Topics []string
 	// Claims lists up to this many claims per topic, with the server process holding each
-	// advisory claim's lock. That reads pg_locks, a copy of the server's whole lock table:
-	// leave it 0 where Inspect runs often.
+	// advisory claim's lock. On PostgreSQL that reads pg_locks, a copy of the server's whole
+	// lock table: leave it 0 where Inspect runs often.
 	Claims int
 }
 
@@ -243,8 +250,9 @@ func (a *Admin) Topics(ctx context.Context) ([]string, bool, error) {
 }
 
 // Inspect reads the state of topics and their consumer groups, and the transaction holding
-// the xmin horizon. Each topic is read in one statement, in a read-only transaction of its
-// own bounded by StatementTimeout; a topic that cannot be read carries its Error and the
+// the xmin horizon. Each topic is read in one statement, on PostgreSQL in a read-only
+// transaction of its own bounded by StatementTimeout (on SQLite outside a transaction, so
+// that it takes no write lock); a topic that cannot be read carries its Error and the
 // others are still read. ctx bounds the whole call.
 func (a *Admin) Inspect(ctx context.Context, opts InspectOptions) (Inspection, error) {
 	var ins Inspection
@@ -279,7 +287,7 @@ func (a *Admin) Inspect(ctx context.Context, opts InspectOptions) (Inspection, e
 	}
 	for _, t := range tables {
 		ts := TopicState{Topic: t.Topic, Table: t.Messages, Groups: []GroupState{}}
-		err := a.readOnly(ctx, func(q dbx.Querier) error {
+		err := a.read(ctx, func(q dbx.Querier) error {
 			gs, err := t.Inspect(ctx, q, a.config.CountCap, a.config.MaxGroups)
 			if err != nil {
 				return err
@@ -318,9 +326,9 @@ func (a *Admin) Inspect(ctx context.Context, opts InspectOptions) (Inspection, e
 		}
 		ins.Topics = append(ins.Topics, ts)
 	}
-	err := a.readOnly(ctx, func(q dbx.Querier) error {
+	err := a.read(ctx, func(q dbx.Querier) error {
 		h, err := offsets.ReadHorizon(ctx, q)
-		ins.Horizon = Horizon{Age: seconds(h.Age), PID: h.PID, Prepared: h.Prepared, Application: h.Application, State: h.State, Database: h.Database}
+		ins.Horizon = Horizon{Age: seconds(h.Age), PID: h.PID, Prepared: h.Prepared, Application: h.Application, State: h.State, Database: h.Database, NotApplicable: h.NotApplicable}
 		return err
 	})
 	if err != nil {
@@ -355,7 +363,7 @@ func (a *Admin) limits(ctx context.Context, tx dbx.Querier, readOnly bool) error
 
 func (a *Admin) advisoryHolders(ctx context.Context) (map[[2]int32]int64, error) {
 	out := map[[2]int32]int64{}
-	err := a.readOnly(ctx, func(q dbx.Querier) error {
+	err := a.read(ctx, func(q dbx.Querier) error {
 		hs, err := offsets.AdvisoryHolders(ctx, q, advisory.NamespaceFirst, advisory.NamespaceLast)
 		for _, h := range hs {
 			out[[2]int32{h.Key1, h.Key2}] = h.PID

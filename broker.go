@@ -99,8 +99,9 @@ type Broker struct {
 // lock instead of failing) and synchronous=NORMAL: in WAL mode a commit then waits for no
 // disk flush, which survives a crash of the program and loses at most the last commits
 // before a power cut or an operating-system crash; append _pragma=synchronous(FULL) to the
-// URL to flush every commit. Every transaction of the library begins with BEGIN IMMEDIATE.
-// SQLite runs the lease claim mode only.
+// URL to flush every commit. Every transaction of the library begins with BEGIN IMMEDIATE,
+// and so does every transaction the caller begins on SQLDB (_txlock=immediate, unless the URL
+// sets _txlock). SQLite runs the lease claim mode only.
 func Open(rawURL string, config BrokerConfig, logger watermill.LoggerAdapter) (*Broker, error) {
 	config.setDefaults()
 	if err := config.validate(); err != nil {
@@ -171,6 +172,11 @@ func openSQLite(rest string, config BrokerConfig, logger watermill.LoggerAdapter
 	if params.Get("_busy_timeout") == "" && params.Get("_timeout") == "" {
 		params.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", dbx.SQLiteBusyTimeoutMS))
 	}
+	if params.Get("_txlock") == "" {
+		// For the caller's transactions on SQLDB (the library begins its own explicitly):
+		// one that reads first and writes later cannot then fail on the lock upgrade.
+		params.Set("_txlock", "immediate")
+	}
 	dsn := "file:" + path + "?" + params.Encode()
 	pool, err := dbx.OpenSQLitePool(dsn, path, config.MaxConns, memory)
 	if errors.Is(err, dbx.ErrNoSQLiteDriver) {
@@ -186,7 +192,7 @@ func openSQLite(rest string, config BrokerConfig, logger watermill.LoggerAdapter
 func parseBrokerURL(rawURL string) (driver, connURL, display string, err error) {
 	scheme, rest, ok := strings.Cut(rawURL, "://")
 	if !ok {
-		return "", "", "", &ConfigError{Field: "url", Value: "(not shown)", Reason: "is not a URL: want postgres://user@host:port/database"}
+		return "", "", "", &ConfigError{Field: "url", Value: "(not shown)", Reason: "is not a URL: want postgres://user@host:port/database or sqlite:path/to/file.db"}
 	}
 	switch scheme {
 	case "postgres", "postgresql", "pgx+postgres", "pgx+postgresql":
@@ -194,7 +200,7 @@ func parseBrokerURL(rawURL string) (driver, connURL, display string, err error) 
 	case "libpq+postgres", "libpq+postgresql":
 		driver = "lib/pq"
 	default:
-		return "", "", "", &ConfigError{Field: "url", Value: scheme + "://...", Reason: "has an unknown scheme: want postgres://, pgx+postgres:// or libpq+postgres://"}
+		return "", "", "", &ConfigError{Field: "url", Value: scheme + "://...", Reason: "has an unknown scheme: want postgres://, pgx+postgres://, libpq+postgres:// or sqlite:"}
 	}
 	connURL = "postgres://" + rest
 	u, perr := url.Parse(connURL)
@@ -212,6 +218,41 @@ func (b *Broker) String() string { return "sqlbroker.Broker(" + b.driver + " " +
 
 func (b *Broker) db() DB { return DB{pool: b.pool} }
 
+// DB returns the broker's pool as a DB, so that one pool serves the broker and whatever else
+// the program builds on the same database: NewAdmin, sqlbrokerprom.NewCollector,
+// NewKeyRepository, NewPublisher and NewSubscriber outside the broker. Sharing it is fine: the
+// pool is bounded by MaxConns and every part of the library takes a connection only for a
+// statement or a short transaction (the advisory claim mode keeps one per subscription: see
+// SubscriberConfig.ClaimMode). Publishers and subscribers built on it outside the broker are
+// not the broker's: shut them down first. Shutdown closes the pool last; after it, every
+// statement on the DB fails, and whatever was built on it must not be used.
+func (b *Broker) DB() DB { return b.db() }
+
+// PgxPool returns the broker's pgx pool (postgres://, pgx+postgres:// URLs), or nil for
+// another driver, for the caller's own statements and transactions: begin one on it and
+// publish inside it with NewTxPublisher(PgxTx(tx), ...). Never close it: Shutdown does, last.
+func (b *Broker) PgxPool() *pgxpool.Pool {
+	if p, ok := b.pool.(*dbx.PgxPool); ok {
+		return p.Pool
+	}
+	return nil
+}
+
+// SQLDB returns the broker's database/sql pool (libpq+postgres:// and sqlite: URLs), or nil
+// for pgx, for the caller's own statements and transactions: begin one on it and publish
+// inside it with NewTxPublisher(StdTx(tx), ...), or SQLiteTx on SQLite, where the broker's
+// pool begins every transaction with BEGIN IMMEDIATE (unless the URL sets _txlock). Never
+// close it: Shutdown does, last.
+func (b *Broker) SQLDB() *sql.DB {
+	switch p := b.pool.(type) {
+	case *dbx.StdPool:
+		return p.DB
+	case *dbx.SQLitePool:
+		return p.DB
+	}
+	return nil
+}
+
 func (b *Broker) register(fn func()) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -227,15 +268,16 @@ func (b *Broker) NewPublisher(config PublisherConfig) (*Publisher, error) {
 	return b.publisher(b.db(), config)
 }
 
-// NewTxPublisher builds a Publisher inside the caller's transaction (PgxTx or StdTx), for the
-// outbox pattern: one per transaction is cheap, and the broker keeps no reference to it, so a
-// service that builds one per transaction does not grow. Once Shutdown has begun, it refuses
+// NewTxPublisher builds a Publisher inside the caller's transaction (PgxTx, StdTx or
+// SQLiteTx; begin it on PgxPool or SQLDB to use the broker's pool), for the outbox pattern:
+// one per transaction is cheap, and the broker keeps no reference to it, so a service that
+// builds one per transaction does not grow. Once Shutdown has begun, it refuses
 // every publish with ErrClosed, as the broker's other publishers do. Its rows are the
 // caller's transaction's: a Publish that returned nil before Shutdown is committed or rolled
 // back with that transaction, whenever the caller ends it.
 func (b *Broker) NewTxPublisher(tx DB, config PublisherConfig) (*Publisher, error) {
 	if tx.tx == nil {
-		return nil, &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap a transaction: use sqlbroker.PgxTx or sqlbroker.StdTx"}
+		return nil, &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap a transaction: use sqlbroker.PgxTx, sqlbroker.StdTx or sqlbroker.SQLiteTx"}
 	}
 	if b.isClosed() {
 		return nil, ErrClosed

@@ -2,6 +2,8 @@ package sqlbroker
 
 import (
 	"database/sql"
+	"reflect"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -10,11 +12,13 @@ import (
 )
 
 // DB is the database a Publisher or Subscriber works through: the caller's pool, wrapped by
-// Pgx or StdSQL, or, for a Publisher only, the caller's transaction, wrapped by PgxTx or
-// StdTx. The library never closes a pool the caller passed in.
+// Pgx, StdSQL or SQLite, or, for a Publisher only, the caller's transaction, wrapped by
+// PgxTx, StdTx or SQLiteTx; or the pool of a Broker (Broker.DB). The library never closes a
+// pool the caller passed in.
 type DB struct {
 	pool dbx.Pool    // set for a pool
 	tx   dbx.Querier // set for a caller's transaction
+	err  error       // set when the wrapper refused what it was given: every constructor returns it
 }
 
 // Pgx wraps a pgx/v5 pool.
@@ -26,11 +30,34 @@ func Pgx(pool *pgxpool.Pool) DB {
 }
 
 // StdSQL wraps a database/sql pool opened with lib/pq ("postgres") or pgx's stdlib ("pgx").
+// A pool of a SQLite driver is refused: every constructor given the result returns a
+// ConfigError that says to use SQLite instead.
 func StdSQL(db *sql.DB) DB {
 	if db == nil {
 		return DB{}
 	}
+	if name, ok := sqliteDriver(db); ok {
+		return DB{err: &ConfigError{Field: "db", Value: "a database/sql pool of the driver " + name,
+			Reason: "is SQLite's: use sqlbroker.SQLite, not sqlbroker.StdSQL, which speaks PostgreSQL"}}
+	}
 	return DB{pool: dbx.NewStdPool(db)}
+}
+
+// sqliteDriver reports whether db's driver is a SQLite driver, and names it. It reads the
+// driver's Go type (modernc.org/sqlite's *sqlite.Driver, github.com/mattn/go-sqlite3's
+// *sqlite3.SQLiteDriver, ...), not a registered name, which a program may choose, and
+// connects to nothing.
+func sqliteDriver(db *sql.DB) (string, bool) {
+	d := db.Driver()
+	if d == nil {
+		return "", false
+	}
+	t := reflect.TypeOf(d)
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	name := t.PkgPath() + "." + t.Name()
+	return name, strings.Contains(strings.ToLower(name), "sqlite")
 }
 
 // SQLite wraps a database/sql pool of the SQLite driver modernc.org/sqlite (registered as
@@ -79,6 +106,9 @@ func StdTx(tx *sql.Tx) DB {
 }
 
 func (d DB) valid() bool { return d.pool != nil || d.tx != nil }
+
+// refused is the error of a wrapper that refused what it was given, or nil.
+func (d DB) refused() error { return d.err }
 
 // dialect says what d's database can do.
 func (d DB) dialect() dbx.Dialect {

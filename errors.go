@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
@@ -53,16 +54,19 @@ func (e *NameError) Error() string {
 }
 
 // MissingTableError says that a table of a topic does not exist and how to create it:
-// InitializeSchema, or the SQL of SchemaSQL in a migration.
+// InitializeSchema, or in a migration the SQL of SchemaSQL (PostgreSQL) or SQLiteSchemaSQL
+// (SQLite).
 type MissingTableError struct {
 	// Topic is the topic whose table is missing.
 	Topic string
 	// Table is the table's quoted name.
 	Table string
+	// Database is the database where it is missing: "PostgreSQL" or "SQLite".
+	Database string
 }
 
 func (e *MissingTableError) Error() string {
-	return (&offsets.MissingTableError{Topic: e.Topic, Table: e.Table}).Error()
+	return (&offsets.MissingTableError{Topic: e.Topic, Table: e.Table, Database: e.Database}).Error()
 }
 
 // SchemaVersionError says that a topic's tables were created by another schema version of the
@@ -94,7 +98,11 @@ func publicErr(err error) error {
 	}
 	var m *offsets.MissingTableError
 	if errors.As(err, &m) {
-		return replaceErr(err, m, &MissingTableError{Topic: m.Topic, Table: m.Table})
+		database := m.Database
+		if database == "" {
+			database = dbx.Postgres.Name
+		}
+		return replaceErr(err, m, &MissingTableError{Topic: m.Topic, Table: m.Table, Database: database})
 	}
 	var v *offsets.VersionError
 	if errors.As(err, &v) {

@@ -117,6 +117,9 @@ type KeyRepository struct {
 // SQLite). It connects to nothing: the table is checked (or created, with
 // InitializeSchema) on first use. Call Close to stop the background pruning.
 func NewKeyRepository(db DB, config KeyRepositoryConfig) (*KeyRepository, error) {
+	if err := db.refused(); err != nil {
+		return nil, err
+	}
 	if db.pool == nil {
 		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL or sqlbroker.SQLite (a transaction goes to WithTx)"}
 	}

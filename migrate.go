@@ -73,8 +73,8 @@ type MigrateResult struct {
 // PostgreSQL's only. Each statement is bounded by StatementTimeout, the whole run by ctx.
 func (a *Admin) MigrateWatermillSQL(ctx context.Context, topic, group string, opts MigrateOptions) (MigrateResult, error) {
 	var res MigrateResult
-	if err := a.inspects("MigrateWatermillSQL"); err != nil {
-		return res, err
+	if !offsets.ReadsWatermillSQL(a.dialect) {
+		return res, &ConfigError{Field: "db", Value: a.dialect.Name, Reason: "Admin.MigrateWatermillSQL reads watermill-sql's PostgreSQL tables and is PostgreSQL's only"}
 	}
 	src, err := newWatermillSource(topic, group, opts)
 	if err != nil {

@@ -56,6 +56,9 @@ var _ message.Publisher = (*Publisher)(nil)
 
 // NewPublisher builds a Publisher on db. A nil logger logs nothing.
 func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter) (*Publisher, error) {
+	if err := db.refused(); err != nil {
+		return nil, err
+	}
 	if !db.valid() {
 		return nil, &ConfigError{Field: "db", Value: "empty DB", Reason: "must wrap a pool or transaction: use sqlbroker.Pgx, StdSQL, SQLite, PgxTx, StdTx or SQLiteTx"}
 	}
@@ -219,7 +222,7 @@ func (p *Publisher) publishErr(topic string, store *offsets.Store, err error) er
 	}
 	if store != nil && dbx.SQLState(err) == dbx.CodeUndefinedTable {
 		p.stores.forget(topic)
-		return fmt.Errorf("sqlbroker: publish to %q: %w", topic, &MissingTableError{Topic: topic, Table: store.T.Messages})
+		return fmt.Errorf("sqlbroker: publish to %q: %w", topic, &MissingTableError{Topic: topic, Table: store.T.Messages, Database: store.T.Dialect().Name})
 	}
 	return fmt.Errorf("sqlbroker: publish to %q: %w", topic, err)
 }

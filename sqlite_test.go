@@ -43,8 +43,8 @@ func TestSQLite_badInputRefused(t *testing.T) {
 	_, err = sqlbroker.NewAdmin(db, sqlbroker.AdminConfig{Schema: "app"})
 	requireConfigError(t, err, "Schema", "SQLite")
 	admin, err := sqlbroker.NewAdmin(db, sqlbroker.AdminConfig{})
-	require.NoError(t, err, "the dead-letter tools run on SQLite")
-	_, err = admin.Inspect(context.Background(), sqlbroker.InspectOptions{})
+	require.NoError(t, err, "the operator's tools run on SQLite")
+	_, err = admin.MigrateWatermillSQL(context.Background(), "t", "g", sqlbroker.MigrateOptions{})
 	requireConfigError(t, err, "db", "PostgreSQL")
 
 	for _, url := range []string{"sqlite:", "sqlite:?mode=rwc", "sqlite://host/file.db", "sqlite:x.db?%zz"} {

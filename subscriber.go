@@ -88,6 +88,9 @@ type Stats struct {
 // SQLite the lease mode only). A nil logger logs nothing. Nothing is sent to the database
 // until Subscribe.
 func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
+	if err := db.refused(); err != nil {
+		return nil, err
+	}
 	if db.pool == nil {
 		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL or sqlbroker.SQLite (a transaction can only publish)"}
 	}

@@ -14,6 +14,11 @@
 // by topics x groups. The subscribers' counters are read from memory: a scrape never waits on
 // a subscriber's work or its statements.
 //
+// It reads PostgreSQL and SQLite alike. On SQLite, where offsets commit in order and no
+// transaction holds a message back, the held-back messages and the xmin horizon have no
+// meaning: their series are not exported, and the others mean what they mean on
+// PostgreSQL. On SQLite the reads take no write lock.
+//
 // The metrics and what to alert on are described in the repository's docs/operations.md.
 package sqlbrokerprom
 
@@ -89,8 +94,8 @@ var (
 )
 
 // NewCollector builds the collector: it reads the topics' state through db (which must wrap
-// a pool, Pgx or StdSQL; one connection at a time, for the length of a scrape) and the
-// counters of subs. With Options.SkipDatabase, db may be the zero DB. It panics when db or
+// a pool, Pgx, StdSQL or SQLite, or be a Broker's DB; one connection at a time, for the
+// length of a scrape) and the counters of subs. With Options.SkipDatabase, db may be the zero DB. It panics when db or
 // the options are invalid, as prometheus.MustRegister does for its own errors: registration
 // runs once, at start.
 func NewCollector(db sqlbroker.DB, opts Options, subs ...*sqlbroker.Subscriber) *Collector {
@@ -219,12 +224,14 @@ func (c *Collector) collectDatabase(ch chan<- prometheus.Metric) {
 			gauge(descInWork, float64(g.InWork), l...)
 			gauge(descWaiting, float64(g.Waiting), l...)
 			gauge(descDue, float64(g.Due), l...)
-			gauge(descHeldBack, float64(g.HeldBack), l...)
+			if !ins.Horizon.NotApplicable {
+				gauge(descHeldBack, float64(g.HeldBack), l...)
+			}
 			gauge(descOldest, g.OldestUnsettled.Seconds(), l...)
 			gauge(descOffset, float64(g.Offset), l...)
 		}
 	}
-	if err == nil {
+	if err == nil && !ins.Horizon.NotApplicable {
 		gauge(descHorizon, ins.Horizon.Age.Seconds())
 	}
 	gauge(descScrapeError, flag(err != nil))

@@ -148,9 +148,14 @@ func (b *bench) describe() {
 	fmt.Printf("- command: %s\n", strings.Join(os.Args, " "))
 	c := b.cfg
 	fmt.Printf("- sizes: payload %d B, pool %d conns per contender, drain %d, slow backlog %d over %s (handler %s), "+
-		"instances MaxInFlight %d, latency %d msg/s for %s, publish %d batched + %d single (%d goroutines), memory %d (cap %s), raw %d + %d single\n\n",
+		"instances MaxInFlight %d, latency %d msg/s for %s, publish %d batched + %d single (%d goroutines), memory %d (cap %s), raw %d + %d single\n",
 		c.payloadSize, c.poolSize, c.drainN, c.slowBacklog, c.slowDuration, c.slowHandler, c.instInFlight,
 		c.latencyRate, c.latencyDuration, c.publishBatchN, c.publishSingleN, c.publishWorkers, c.memoryN, c.memoryCap, c.rawN, c.rawSingleN)
+	if c.scenarios[11] {
+		fmt.Printf("- hold: %d msg/s offered for %s, %d consumer group(s) of %d subscribers, Retention %s, vacuum held back from %s for %s\n",
+			c.holdRate, c.holdDuration, c.holdGroups, holdSubs, c.holdRetention, c.holdAt, c.holdFor)
+	}
+	fmt.Println()
 }
 
 func memTotal() string {
@@ -181,6 +186,7 @@ var scenarioFuncs = map[int]scenarioFunc{
 	8:  scenarioIdle,
 	9:  scenarioMany,
 	10: scenarioGroup,
+	11: scenarioHold,
 }
 
 // runScenarios runs every selected scenario for every contender. A contender's failure is

@@ -205,18 +205,21 @@ func (e *env) subscriber(maxInFlight int) (message.Subscriber, error) {
 	case sqliteLease:
 		return e.broker.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: group, MaxInFlight: maxInFlight})
 	default:
-		mode := sqlbroker.ClaimLease
-		if e.c == advisory {
-			mode = sqlbroker.ClaimAdvisoryLock
-		}
-		s, err := sqlbroker.NewSubscriber(sqlbroker.Pgx(e.pool), sqlbroker.SubscriberConfig{
-			ConsumerGroup: group, ClaimMode: mode, MaxInFlight: maxInFlight,
-		}, nil)
-		if err != nil && e.c == advisory {
-			return nil, fmt.Errorf("%w: %v", errNA, err)
-		}
-		return s, err
+		return e.pgSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: group, MaxInFlight: maxInFlight})
 	}
+}
+
+// pgSubscriber builds a library subscriber on PostgreSQL in the contender's claim mode.
+func (e *env) pgSubscriber(cfg sqlbroker.SubscriberConfig) (message.Subscriber, error) {
+	cfg.ClaimMode = sqlbroker.ClaimLease
+	if e.c == advisory {
+		cfg.ClaimMode = sqlbroker.ClaimAdvisoryLock
+	}
+	s, err := sqlbroker.NewSubscriber(sqlbroker.Pgx(e.pool), cfg, nil)
+	if err != nil && e.c == advisory {
+		return nil, fmt.Errorf("%w: %v", errNA, err)
+	}
+	return s, err
 }
 
 // checkSubscriber tells early whether the contender can subscribe at all, before a backlog is

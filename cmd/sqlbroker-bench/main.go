@@ -30,8 +30,11 @@
 //     and transactions per second
 //  10. group:    one consumer group with 1, 2, 4 and 8 consumers (a pool each), no-op
 //     handler: messages and claims per second
+//  11. hold:     messages offered at a steady rate to consumer groups of two subscribers with
+//     Retention set, while a REPEATABLE READ transaction holds vacuum back: rates, lag and
+//     index entries read per scan, second by second, and a summary of the hold
 //
-// Scenarios 1-7 run by default; 8-10 when named. Scenarios 8 and 9 read the transaction count
+// Scenarios 1-7 run by default; 8-11 when named. Scenarios 8 and 9 read the transaction count
 // of the whole database (pg_stat_database): point -url at a database nothing else uses; they
 // do not apply to SQLite.
 //
@@ -87,11 +90,17 @@ type config struct {
 	groupBacklog    int           // 10
 	groupWindow     time.Duration // 10
 	groupPool       int           // 10
+	holdRate        int           // 11
+	holdDuration    time.Duration // 11
+	holdAt          time.Duration // 11
+	holdFor         time.Duration // 11
+	holdGroups      int           // 11
+	holdRetention   time.Duration // 11
 }
 
 var scenarioNames = map[string]int{
 	"drain": 1, "slow": 2, "instances": 3, "latency": 4, "publish": 5, "memory": 6, "raw": 7,
-	"idle": 8, "many": 9, "group": 10,
+	"idle": 8, "many": 9, "group": 10, "hold": 11,
 }
 
 func main() {
@@ -104,7 +113,7 @@ func main() {
 func parseFlags() (*config, error) {
 	c := &config{}
 	quick := flag.Bool("quick", false, "CI-sized run: small backlogs and short durations (explicit size flags still win)")
-	scen := flag.String("scenarios", "1,2,3,4,5,6,7", "scenarios to run, by number or name (drain,slow,instances,latency,publish,memory,raw,idle,many,group)")
+	scen := flag.String("scenarios", "1,2,3,4,5,6,7", "scenarios to run, by number or name (drain,slow,instances,latency,publish,memory,raw,idle,many,group,hold)")
 	cont := flag.String("contenders", "lease,advisory,watermill-sql,sqlite", "contenders to run (lease, advisory, watermill-sql, sqlite)")
 	flag.StringVar(&c.sqliteDir, "sqlite-dir", os.TempDir(), "the sqlite contender's database files go in a new directory inside this one (local disk: not a tmpfs, or commits cost nothing)")
 	flag.StringVar(&c.url, "url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL")
@@ -140,6 +149,12 @@ func parseFlags() (*config, error) {
 	flag.IntVar(&c.groupBacklog, "group-backlog", 300_000, "scenario 10: backlog published before each run")
 	flag.DurationVar(&c.groupWindow, "group-window", 10*time.Second, "scenario 10: timed window")
 	flag.IntVar(&c.groupPool, "group-pool", 4, "scenario 10: connections in each consumer's pool")
+	holdRate := flag.Int("hold-rate", 10_000, "scenario 11: messages per second offered (published in paced batches)")
+	holdDuration := flag.Duration("hold-duration", 150*time.Second, "scenario 11: how long to publish and consume")
+	holdAt := flag.Duration("hold-at", 10*time.Second, "scenario 11: when the reader that holds vacuum back opens its transaction")
+	holdFor := flag.Duration("hold-for", 120*time.Second, "scenario 11: how long the reader keeps it open")
+	flag.IntVar(&c.holdGroups, "hold-groups", 1, "scenario 11: consumer groups, each of two subscribers")
+	flag.DurationVar(&c.holdRetention, "hold-retention", 10*time.Second, "scenario 11: the subscribers' Retention (0: none)")
 	flag.Parse()
 
 	set := map[string]bool{}
@@ -167,6 +182,10 @@ func parseFlags() (*config, error) {
 	c.memoryCap = pickDur("memory-cap", memoryCap, 2*time.Minute)
 	c.rawN = pickInt("raw-n", rawN, 10_000)
 	c.rawSingleN = pickInt("raw-single-n", rawSingleN, 5_000)
+	c.holdRate = pickInt("hold-rate", holdRate, 1000)
+	c.holdDuration = pickDur("hold-duration", holdDuration, 30*time.Second)
+	c.holdAt = pickDur("hold-at", holdAt, 5*time.Second)
+	c.holdFor = pickDur("hold-for", holdFor, 15*time.Second)
 
 	c.scenarios = map[int]bool{}
 	for _, s := range strings.Split(*scen, ",") {
@@ -179,8 +198,8 @@ func parseFlags() (*config, error) {
 			continue
 		}
 		var n int
-		if _, err := fmt.Sscanf(s, "%d", &n); err != nil || n < 1 || n > 10 {
-			return nil, fmt.Errorf("-scenarios: %q is not a scenario (1-10 or drain,slow,instances,latency,publish,memory,raw,idle,many,group)", s)
+		if _, err := fmt.Sscanf(s, "%d", &n); err != nil || scenarioFuncs[n] == nil {
+			return nil, fmt.Errorf("-scenarios: %q is not a scenario (1-11 or drain,slow,instances,latency,publish,memory,raw,idle,many,group,hold)", s)
 		}
 		c.scenarios[n] = true
 	}
@@ -202,6 +221,7 @@ func parseFlags() (*config, error) {
 		"raw-n": c.rawN, "raw-single-n": c.rawSingleN,
 		"idle-subs": c.idleSubs, "idle-lock-subs": c.idleLockSubs, "many-subs": c.manySubs,
 		"group-backlog": c.groupBacklog, "group-pool": c.groupPool,
+		"hold-rate": c.holdRate, "hold-groups": c.holdGroups,
 	}
 	for name, v := range positive {
 		if v <= 0 {
@@ -209,10 +229,18 @@ func parseFlags() (*config, error) {
 		}
 	}
 	for name, v := range map[string]time.Duration{"timeout": c.timeout, "slow-duration": c.slowDuration, "latency-duration": c.latencyDuration, "memory-cap": c.memoryCap,
-		"idle-window": c.idleWindow, "group-window": c.groupWindow} {
+		"idle-window": c.idleWindow, "group-window": c.groupWindow, "hold-duration": c.holdDuration, "hold-for": c.holdFor} {
 		if v <= 0 {
 			return nil, fmt.Errorf("-%s (%s) must be positive", name, v)
 		}
+	}
+	for name, v := range map[string]time.Duration{"hold-at": c.holdAt, "hold-retention": c.holdRetention} {
+		if v < 0 {
+			return nil, fmt.Errorf("-%s (%s) must not be negative", name, v)
+		}
+	}
+	if c.holdAt+c.holdFor > c.holdDuration {
+		return nil, fmt.Errorf("-hold-at (%s) + -hold-for (%s) must not exceed -hold-duration (%s)", c.holdAt, c.holdFor, c.holdDuration)
 	}
 	return c, nil
 }

@@ -69,6 +69,11 @@ func rowDefs(c *config) []rowDef {
 		{"10f", 10, "  claims/s, 2 consumers", "claims/s", false},
 		{"10g", 10, "  claims/s, 4 consumers", "claims/s", false},
 		{"10h", 10, "  claims/s, 8 consumers", "claims/s", false},
+		{"11a", 11, fmt.Sprintf("hold: %s msg/s offered, %d group(s), vacuum held %s: lowest handled / offered over %d s", n(c.holdRate), c.holdGroups, c.holdFor, holdWindow), "%", false},
+		{"11b", 11, "  max lag", "msgs", true},
+		{"11c", 11, "  claims: index entries per scan, last 5 s of the hold", "entries", true},
+		{"11d", 11, "  messages: index entries per scan, last 5 s of the hold", "entries", true},
+		{"11e", 11, "  tables and indexes at the end of the hold", "MiB", true},
 	}
 }
 

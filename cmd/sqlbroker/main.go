@@ -14,9 +14,10 @@
 // Every command takes -url (or reads SQLBROKER_URL, then DATABASE_URL), -schema and -prefix
 // (the Schema and TablePrefix of the publishers and subscribers), -timeout and -json. The
 // URL's scheme picks the driver: postgres:// (pgx), libpq+postgres:// (lib/pq) or sqlite:
-// (a file that must exist, unless the URL sets mode=rwc; peek, dead-letter and retention of
-// named topics only); a key=value connection string is read by pgx. Errors and output never
-// show its password.
+// (a file that must exist, unless the URL sets mode=rwc); a key=value connection string is
+// read by pgx. Every command but migrate-watermill-sql runs on SQLite; there inspect shows
+// the held-back messages and the xmin horizon as not applicable, and schema prints SQLite's
+// DDL. Errors and output never show its password.
 package main
 
 import (
@@ -44,6 +45,7 @@ import (
 const usage = `usage:
   sqlbroker inspect [-topic T]... [-claims N]        topics, groups, lag, claims, the xmin horizon
   sqlbroker schema TOPIC                             the DDL of TOPIC's tables, for migrations
+                                                     (SQLite's when -url is a sqlite: URL)
   sqlbroker retention -older-than D [-dedup-table T] [TOPIC...]
                                                      one retention pass over the settled messages
                                                      older than D (-older-than 0: every settled
@@ -69,6 +71,7 @@ const usage = `usage:
 common flags (after the command):
   -url URL       database URL (default: $SQLBROKER_URL, then $DATABASE_URL):
                  postgres://, libpq+postgres:// or sqlite:path/to/file.db
+                 (every command runs on SQLite but migrate-watermill-sql)
   -schema S      PostgreSQL schema of the tables (default: the search_path)
   -prefix P      table prefix (default: sqlbroker_)
   -timeout D     bound of the whole command (default: 30s)
@@ -143,7 +146,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 	switch cmd {
 	case "inspect":
 		fs.Var(&topics, "topic", "topic to read (repeatable; default: every topic found)")
-		fs.IntVar(&claims, "claims", 20, "claims to list per topic, with their lease deadline or lock holder (reads pg_locks)")
+		fs.IntVar(&claims, "claims", 20, "claims to list per topic, with their lease deadline or lock holder (on PostgreSQL, reads pg_locks)")
 	case "retention":
 		fs.DurationVar(&olderThan, "older-than", 0, "delete only settled messages older than this")
 		fs.StringVar(&keyTable, "dedup-table", "", "also delete the expired keys of this deduplication table (a KeyRepository's)")
@@ -194,20 +197,30 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		return 2
 	}
 
-	if cmd == "schema" {
-		ddl, err := sqlbroker.SchemaSQL(pos[0], c.schema, c.prefix)
-		if err != nil {
-			return fail(stderr, "", err)
-		}
-		fmt.Fprint(stdout, ddl)
-		return 0
-	}
-
 	rawURL := c.url
 	for _, env := range []string{"SQLBROKER_URL", "DATABASE_URL"} {
 		if rawURL == "" {
 			rawURL = getenv(env)
 		}
+	}
+	if cmd == "schema" {
+		// It connects to nothing: the URL, when there is one, only says which database.
+		var ddl string
+		var err error
+		if strings.HasPrefix(rawURL, "sqlite:") {
+			if c.schema != "" {
+				fmt.Fprintf(stderr, "sqlbroker schema: -schema %q is PostgreSQL's: a SQLite database has no schemas\n", c.schema)
+				return 2
+			}
+			ddl, err = sqlbroker.SQLiteSchemaSQL(pos[0], c.prefix)
+		} else {
+			ddl, err = sqlbroker.SchemaSQL(pos[0], c.schema, c.prefix)
+		}
+		if err != nil {
+			return fail(stderr, "", err)
+		}
+		fmt.Fprint(stdout, ddl)
+		return 0
 	}
 	if rawURL == "" {
 		fmt.Fprintln(stderr, "sqlbroker: no database: give -url, or set SQLBROKER_URL or DATABASE_URL")
@@ -389,6 +402,13 @@ func open(ctx context.Context, rawURL string) (sqlbroker.DB, func(), error) {
 	if rest, ok := strings.CutPrefix(rawURL, "sqlite:"); ok {
 		return openSQLite(ctx, rest)
 	}
+	if scheme, _, ok := strings.Cut(rawURL, "://"); ok {
+		switch scheme {
+		case "postgres", "postgresql", "pgx+postgres", "pgx+postgresql", "libpq+postgres", "libpq+postgresql":
+		default:
+			return sqlbroker.DB{}, nil, fmt.Errorf("-url %s://...: unknown scheme: want postgres://, pgx+postgres://, libpq+postgres:// or sqlite:path/to/file.db", scheme)
+		}
+	}
 	if rest, ok := strings.CutPrefix(rawURL, "libpq+"); ok {
 		db, err := sql.Open("postgres", rest)
 		if err != nil {
@@ -473,8 +493,12 @@ func (o output) inspection(ins sqlbroker.Inspection) error {
 			if g.LagEstimated {
 				lag = "~" + lag
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%d\t%d\t%d\t%d\t%s\t%s ago\n", t.Topic, g.Group, g.Offset, lag,
-				g.InWork, g.Waiting, g.Due, g.HeldBack, dur(g.OldestUnsettled), dur(g.SinceMoved))
+			heldBack := strconv.FormatInt(g.HeldBack, 10)
+			if ins.Horizon.NotApplicable {
+				heldBack = "n/a"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%d\t%d\t%d\t%s\t%s\t%s ago\n", t.Topic, g.Group, g.Offset, lag,
+				g.InWork, g.Waiting, g.Due, heldBack, dur(g.OldestUnsettled), dur(g.SinceMoved))
 		}
 	}
 	if ins.MoreTopics {
@@ -518,6 +542,9 @@ func (o output) inspection(ins sqlbroker.Inspection) error {
 	fmt.Fprintln(o.w)
 	h := ins.Horizon
 	switch {
+	case h.NotApplicable:
+		_, err := fmt.Fprintln(o.w, "xmin horizon: not applicable (SQLite: offsets commit in order, no transaction holds a message back)")
+		return err
 	case h.Age == 0:
 		_, err := fmt.Fprintln(o.w, "xmin horizon: no transaction holds a transaction id")
 		return err

@@ -2,7 +2,6 @@ package offsets_test
 
 import (
 	"context"
-	"errors"
 	"strings"
 	"testing"
 
@@ -27,7 +26,7 @@ func TestTables_onPicksTheDatabase(t *testing.T) {
 	if lite != pg.OnSQLite() {
 		t.Errorf("OnSQLite differs from On(dbx.SQLite)")
 	}
-	if !offsets.Inspects(dbx.Postgres) || offsets.Inspects(dbx.SQLite) {
+	if !offsets.Inspects(dbx.Postgres) || !offsets.Inspects(dbx.SQLite) {
 		t.Errorf("Inspects")
 	}
 	k := offsets.NewKeyTable(dbx.SQLite, "", "keys")
@@ -67,7 +66,13 @@ func TestBackendAliveAndNotify(t *testing.T) {
 	if err := offsets.NotifyTable(ctx, lite, "c", "x"); err != nil {
 		t.Fatalf("NotifyTable on SQLite: %v", err)
 	}
-	if _, _, err := offsets.FindTopics(ctx, lite, "", "sqlbroker_", 10); !errors.Is(err, offsets.ErrNoInspection) {
-		t.Fatalf("FindTopics on SQLite: %v", err)
+	if found, _, err := offsets.FindTopics(ctx, lite, "", "sqlbroker_", 10); err != nil || len(found) != 0 {
+		t.Fatalf("FindTopics on an empty SQLite database: %v, %v", found, err)
+	}
+	if h, err := offsets.ReadHorizon(ctx, lite); err != nil || !h.NotApplicable {
+		t.Fatalf("ReadHorizon on SQLite: %+v, %v", h, err)
+	}
+	if hs, err := offsets.AdvisoryHolders(ctx, lite, 0, 1<<31); err != nil || hs != nil {
+		t.Fatalf("AdvisoryHolders on SQLite: %v, %v", hs, err)
 	}
 }

@@ -29,12 +29,12 @@ type inspectStatements struct {
 	setGroup        string // the group's new position
 	dropClaims      string // the group's claims
 	dropGroup       string // the group's row
-	horizon         string // the oldest transaction holding the horizon back
-	advisoryHolders string // the sessions holding message locks
+	horizon         string // the oldest transaction holding the horizon back ("": none, see Horizon.NotApplicable)
+	advisoryHolders string // the sessions holding message locks ("": no advisory locks)
 }
 
 // ErrNoInspection says that the database has no operator statements (listing topics,
-// inspecting or moving groups): they read a catalog only PostgreSQL has.
+// inspecting or moving groups).
 var ErrNoInspection = errors.New("offsets: the database has no catalog to inspect")
 
 // Inspects reports whether a database of dialect d has the operator statements.
@@ -67,7 +67,8 @@ type Found struct {
 // carrying the library's schema comment, with its groups and claims tables beside it. It
 // returns them by name and reports whether more may exist.
 func FindTopics(ctx context.Context, q dbx.Querier, schema, prefix string, limit int) ([]Found, bool, error) {
-	sql, err := inspection(databaseOf(dbx.DialectOf(q)))
+	db := databaseOf(dbx.DialectOf(q))
+	sql, err := inspection(db)
 	if err != nil {
 		return nil, false, err
 	}
@@ -132,6 +133,7 @@ func FindTopics(ctx context.Context, q dbx.Querier, schema, prefix string, limit
 		// With schema "", the names are left unqualified: the search_path resolves them, as
 		// it does for the library.
 		f.Tables = namedTables(schema, prefix, f.Topic, p.messages, p.groups, p.claims)
+		f.Tables.db = db
 		out = append(out, f)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Topic < out[j].Topic })
@@ -275,7 +277,7 @@ func (t Tables) ResetGroup(ctx context.Context, b dbx.Beginner, group string, of
 		var xid string
 		var pos int64
 		if byTime {
-			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(sql.resetFindTime, t.Messages), []any{at}, &xid, &next)
+			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(sql.resetFindTime, t.Messages), []any{t.database().deliverAt(at)}, &xid, &next)
 		} else {
 			err = dbx.QueryRow(ctx, tx, fmt.Sprintf(sql.resetFindOffset, t.Messages), []any{offset}, &xid, &next)
 		}
@@ -352,6 +354,9 @@ type Horizon struct {
 	// Application, State and Database are pg_stat_activity's application_name, state and
 	// datname ("" where this role may not see them).
 	Application, State, Database string
+	// NotApplicable says that the database has no such horizon (SQLite: offsets commit in
+	// order, and nothing is held back); the other fields are then zero.
+	NotApplicable bool
 }
 
 // ReadHorizon reads the oldest transaction holding the xmin horizon back.
@@ -359,6 +364,9 @@ func ReadHorizon(ctx context.Context, q dbx.Querier) (Horizon, error) {
 	sql, err := inspection(databaseOf(dbx.DialectOf(q)))
 	if err != nil {
 		return Horizon{}, err
+	}
+	if sql.horizon == "" {
+		return Horizon{NotApplicable: true}, nil
 	}
 	var h Horizon
 	var age int64
@@ -375,11 +383,15 @@ type AdvisoryHolder struct {
 	PID        int64
 }
 
-// AdvisoryHolders returns the sessions that hold message locks with key1 in [first, last].
+// AdvisoryHolders returns the sessions that hold message locks with key1 in [first, last]:
+// none on a database without advisory locks.
 func AdvisoryHolders(ctx context.Context, q dbx.Querier, first, last uint32) ([]AdvisoryHolder, error) {
 	sql, err := inspection(databaseOf(dbx.DialectOf(q)))
 	if err != nil {
 		return nil, err
+	}
+	if sql.advisoryHolders == "" {
+		return nil, nil
 	}
 	rows, err := q.Query(ctx, sql.advisoryHolders, int64(first), int64(last))
 	if err != nil {

@@ -13,9 +13,14 @@ import (
 type MissingTableError struct {
 	Topic string
 	Table string
+	// Database names the database where it is missing (dbx.Dialect.Name); "" is PostgreSQL.
+	Database string
 }
 
 func (e *MissingTableError) Error() string {
+	if e.Database == dbx.SQLite.Name {
+		return fmt.Sprintf("topic %q: table %s does not exist in the SQLite database: set InitializeSchema: true, or create it with the SQL of sqlbroker.SQLiteSchemaSQL(%q, ...) (sqlbroker schema -url sqlite:FILE %s)", e.Topic, e.Table, e.Topic, e.Topic)
+	}
 	return fmt.Sprintf("topic %q: table %s does not exist: set InitializeSchema: true, or create it with the SQL of sqlbroker.SchemaSQL(%q, ...) in a migration", e.Topic, e.Table, e.Topic)
 }
 

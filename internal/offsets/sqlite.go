@@ -135,7 +135,7 @@ func (sqlite) check(ctx context.Context, t Tables, q dbx.Querier, missingOK bool
 			name string
 		}{{m, t.Messages}, {g, t.Groups}, {c, t.Claims}} {
 			if x.ok == 0 {
-				return &MissingTableError{Topic: t.Topic, Table: x.name}
+				return &MissingTableError{Topic: t.Topic, Table: x.name, Database: dbx.SQLite.Name}
 			}
 		}
 	}
@@ -473,9 +473,6 @@ var errNoAdvisoryLocks = errors.New("offsets: the advisory claim mode needs advi
 func (sqlite) claimLocked(context.Context, dbx.Querier, int32, int64, int, int, int32, []int64, bool, []Claimed) ([]Claimed, error) {
 	return nil, errNoAdvisoryLocks
 }
-
-// inspection: SQLite has no catalog of comments, sessions or locks to inspect.
-func (sqlite) inspection() *inspectStatements { return nil }
 
 // backendAlive: SQLite runs in the process, with no server process to look up.
 func (sqlite) backendAlive(context.Context, dbx.Querier, uint32) (bool, error) {

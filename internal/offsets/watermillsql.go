@@ -15,6 +15,10 @@ type WatermillSQL struct {
 	Messages, Offsets string
 }
 
+// ReadsWatermillSQL reports whether a database of dialect d can hold watermill-sql's tables
+// that these statements read: PostgreSQL's only.
+func ReadsWatermillSQL(d dbx.Dialect) bool { return d == dbx.Postgres }
+
 // NewWatermillSQL quotes the tables' names, in schema when it is not empty.
 func NewWatermillSQL(schema, messages, offsets string) WatermillSQL {
 	ident := func(name string) string {

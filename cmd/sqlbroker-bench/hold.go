@@ -1,0 +1,701 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
+)
+
+// Scenario 11, hold: messages offered at a steady rate to one topic, consumed by one or more
+// consumer groups of two subscribers each with Retention set, while a reading transaction
+// opened on a connection of its own holds the xmin horizon back for a while, so that vacuum
+// removes no dead row of any table. Each second it prints the rates, the lag and, for the
+// topic's three tables, the index entries read per index scan in that second and the dead
+// rows; at the end a summary of the hold.
+
+const (
+	holdPublishers = 8   // goroutines publishing the paced batches
+	holdMaxBatch   = 100 // messages per Publish call at most
+	holdSubs       = 2   // Subscriber objects per consumer group
+	holdWindow     = 5   // samples (seconds) in a window of the summary
+)
+
+// The topic's tables, in the order of a sample's stats.
+const (
+	holdClaims = iota
+	holdMessages
+	holdGroups
+	holdTables
+)
+
+var holdTableNames = [holdTables]string{"claims", "messages", "groups"}
+
+// tableStat is what pg_stat_user_indexes and pg_stat_user_tables say of one table: index
+// entries read and index scans, summed over its indexes since the table was created, and its
+// dead rows now.
+type tableStat struct {
+	read, scans, dead int64
+}
+
+type holdSample struct {
+	at        time.Duration // since the start
+	published int64
+	due       int64 // what the pacer should have published by now
+	handled   []int64
+	stats     [holdTables]tableStat
+	inHold    bool // the span since the previous sample lay wholly inside the hold
+}
+
+// entriesPerScan is the index entries read per index scan of table k between two samples,
+// or -1 when no scan ran.
+func entriesPerScan(from, to holdSample, k int) float64 {
+	scans := to.stats[k].scans - from.stats[k].scans
+	if scans <= 0 {
+		return -1
+	}
+	return float64(to.stats[k].read-from.stats[k].read) / float64(scans)
+}
+
+func formatPerScan(v float64) string {
+	if v < 0 {
+		return "-"
+	}
+	return formatValue(v)
+}
+
+// lag is the most any group is behind what was published, and that group.
+func (s holdSample) lag() (int64, int) {
+	var most int64
+	group := 0
+	for g, h := range s.handled {
+		if l := s.published - h; g == 0 || l > most {
+			most, group = l, g
+		}
+	}
+	return most, group
+}
+
+// holdStats reads the index and dead-row counts of the topic's tables.
+func (b *bench) holdStats(ctx context.Context, t offsets.Tables) ([holdTables]tableStat, error) {
+	var out [holdTables]tableStat
+	rows, err := b.admin.Query(ctx, `SELECT r.k, coalesce(s.n_dead_tup, 0),
+		coalesce((SELECT sum(i.idx_tup_read) FROM pg_stat_user_indexes i WHERE i.relid = r.id), 0)::bigint,
+		coalesce((SELECT sum(i.idx_scan) FROM pg_stat_user_indexes i WHERE i.relid = r.id), 0)::bigint
+		FROM (VALUES (0, to_regclass($1)::oid), (1, to_regclass($2)::oid), (2, to_regclass($3)::oid)) AS r(k, id)
+		LEFT JOIN pg_stat_user_tables s ON s.relid = r.id`, t.Claims, t.Messages, t.Groups)
+	if err != nil {
+		return out, fmt.Errorf("read pg_stat_user_indexes: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var k int
+		var st tableStat
+		if err := rows.Scan(&k, &st.dead, &st.read, &st.scans); err != nil {
+			return out, fmt.Errorf("read pg_stat_user_indexes: %w", err)
+		}
+		out[k] = st
+	}
+	return out, rows.Err()
+}
+
+// holdSizes is pg_total_relation_size (table, indexes and TOAST) of each of the topic's tables.
+func (b *bench) holdSizes(ctx context.Context, t offsets.Tables) ([holdTables]int64, error) {
+	var out [holdTables]int64
+	err := b.admin.QueryRow(ctx, `SELECT pg_total_relation_size(to_regclass($1)), pg_total_relation_size(to_regclass($2)),
+		pg_total_relation_size(to_regclass($3))`, t.Claims, t.Messages, t.Groups).Scan(&out[0], &out[1], &out[2])
+	if err != nil {
+		return out, fmt.Errorf("read pg_total_relation_size: %w", err)
+	}
+	return out, nil
+}
+
+func formatSizes(s [holdTables]int64) string {
+	var parts []string
+	var total int64
+	for k, v := range s {
+		parts = append(parts, fmt.Sprintf("%s %.1f MiB", holdTableNames[k], mib(uint64(v))))
+		total += v
+	}
+	return fmt.Sprintf("%s; total %.1f MiB", strings.Join(parts, ", "), mib(uint64(total)))
+}
+
+// holdReader is a REPEATABLE READ transaction on a connection of its own that has taken its
+// snapshot: while it is open, vacuum removes no row version that died after that snapshot.
+type holdReader struct {
+	conn *pgx.Conn
+	pid  uint32
+	xmin string
+}
+
+// openHoldReader begins the transaction, reads one row of the messages table to take the
+// snapshot, and checks in pg_stat_activity that the backend now holds an xmin.
+func (b *bench) openHoldReader(ctx context.Context, messages string) (*holdReader, error) {
+	cc, err := pgx.ParseConfig(b.cfg.url)
+	if err != nil {
+		return nil, fmt.Errorf("-url: %w", err)
+	}
+	cc.RuntimeParams["application_name"] = "sqlbroker-bench-hold"
+	conn, err := pgx.ConnectConfig(ctx, cc)
+	if err != nil {
+		return nil, fmt.Errorf("reader: connect: %w", err)
+	}
+	r := &holdReader{conn: conn, pid: conn.PgConn().PID()}
+	for _, q := range []string{"BEGIN ISOLATION LEVEL REPEATABLE READ", "SELECT 1 FROM " + messages + " LIMIT 1"} {
+		if _, err := conn.Exec(ctx, q); err != nil {
+			_ = conn.Close(context.Background())
+			return nil, fmt.Errorf("reader: %s: %w", q, err)
+		}
+	}
+	var xmin *string
+	if err := b.admin.QueryRow(ctx, `SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = $1`, int64(r.pid)).Scan(&xmin); err != nil {
+		_ = conn.Close(context.Background())
+		return nil, fmt.Errorf("reader: read its backend_xmin: %w", err)
+	}
+	if xmin == nil {
+		_ = conn.Close(context.Background())
+		return nil, fmt.Errorf("reader (pid %d): backend_xmin is null in pg_stat_activity: its transaction holds no snapshot", r.pid)
+	}
+	r.xmin = *xmin
+	return r, nil
+}
+
+// end commits the reader's transaction and closes its connection.
+func (r *holdReader) end() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err := r.conn.Exec(ctx, "COMMIT")
+	return errors.Join(err, r.conn.Close(ctx))
+}
+
+// holdSpan is when the reader held the horizon, since the start of the run.
+type holdSpan struct {
+	mu             sync.Mutex
+	opened, closed bool
+	from, to       time.Duration
+	pid            uint32
+	xmin           string
+	err            error
+}
+
+func (h *holdSpan) get() (opened, closed bool, from, to time.Duration, err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.opened, h.closed, h.from, h.to, h.err
+}
+
+// covers reports whether the span (a, b] lay wholly inside the hold.
+func (h *holdSpan) covers(a, b time.Duration) bool {
+	opened, closed, from, to, _ := h.get()
+	return opened && from <= a && (!closed || b <= to)
+}
+
+// pacer publishes at a fixed rate: every 10 ms it queues what is due by then for
+// holdPublishers goroutines, in batches of rate/100 messages (at most holdMaxBatch). When they
+// cannot keep up, what is due waits and goes in larger batches (up to holdMaxBatch) as soon as
+// a publisher is free, and the pacer records how far behind it fell.
+type pacer struct {
+	published atomic.Int64
+	due       atomic.Int64
+	maxBehind atomic.Int64
+	batch     int
+	mu        sync.Mutex
+	err       error
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
+}
+
+func startPacer(ctx context.Context, pub message.Publisher, topic string, rate int, payload []byte) *pacer {
+	ctx, cancel := context.WithCancel(ctx)
+	p := &pacer{batch: min(max(rate/100, 1), holdMaxBatch), cancel: cancel}
+	jobs := make(chan int, holdPublishers)
+	for range holdPublishers {
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			for n := range jobs {
+				msgs := make([]*message.Message, n)
+				for i := range msgs {
+					msgs[i] = message.NewMessage(watermill.NewUUID(), payload)
+				}
+				if err := pub.Publish(topic, msgs...); err != nil {
+					p.mu.Lock()
+					if p.err == nil {
+						p.err = fmt.Errorf("publish: %w", err)
+					}
+					p.mu.Unlock()
+					continue
+				}
+				p.published.Add(int64(n))
+			}
+		}()
+	}
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		defer close(jobs)
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		start := time.Now()
+		var queued int64
+		for {
+			select {
+			case <-tick.C:
+			case <-ctx.Done():
+				return
+			}
+			due := int64(time.Since(start).Seconds() * float64(rate))
+			p.due.Store(due)
+		fill:
+			for due-queued >= int64(p.batch) {
+				n := int(min(due-queued, holdMaxBatch))
+				select {
+				case jobs <- n:
+					queued += int64(n)
+				default:
+					break fill // every publisher is busy: the rest waits for the next tick
+				}
+			}
+			if behind := due - p.published.Load(); behind > p.maxBehind.Load() {
+				p.maxBehind.Store(behind)
+			}
+		}
+	}()
+	return p
+}
+
+func (p *pacer) failed() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.err
+}
+
+// stop ends the pacing and waits for the publishes in flight.
+func (p *pacer) stop() {
+	p.cancel()
+	p.wg.Wait()
+}
+
+// Scenario 11: the hold.
+func scenarioHold(ctx context.Context, b *bench, c contender) error {
+	if c == watermillSQL {
+		return fmt.Errorf("%w: watermill-sql hands out one message of a group at a time, far below the offered rate", errNA)
+	}
+	if c.onSQLite() {
+		return fmt.Errorf("%w: SQLite has no snapshot that holds vacuum back", errNA)
+	}
+	cfg := b.cfg
+	e, topic, err := b.prepare(ctx, c, "hold", 0)
+	if err != nil {
+		return err
+	}
+	defer e.close()
+	defer b.dropTopic(c, topic)
+	tables := libTables(topic)
+	pub, err := e.publisher()
+	if err != nil {
+		return err
+	}
+	defer pub.Close()
+
+	groups := cfg.holdGroups
+	handled := make([]atomic.Int64, groups)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		return err
+	}
+	var subs []message.Subscriber
+	defer func() {
+		for _, s := range subs {
+			_ = s.Close()
+		}
+	}()
+	for g := range groups {
+		for i := range holdSubs {
+			s, err := e.pgSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: fmt.Sprintf("hold%d", g), Retention: cfg.holdRetention})
+			if err != nil {
+				return err
+			}
+			subs = append(subs, s)
+			router.AddConsumerHandler(fmt.Sprintf("g%d-s%d", g, i), topic, s, func(*message.Message) error {
+				handled[g].Add(1)
+				return nil
+			})
+		}
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	runErr := make(chan error, 1)
+	go func() { runErr <- router.Run(runCtx) }()
+	defer func() {
+		_ = router.Close()
+		select {
+		case <-runErr:
+		case <-time.After(30 * time.Second):
+			b.logf("hold, %s: router did not stop within 30s of Close", c)
+		}
+	}()
+	select {
+	case <-router.Running():
+	case err := <-runErr:
+		runErr <- err
+		return fmt.Errorf("router stopped before running: %v", err)
+	case <-time.After(30 * time.Second):
+		return errors.New("router did not start within 30s")
+	}
+
+	fmt.Printf("## Scenario 11, hold: %s, %d consumer group(s) of %d subscribers, %d msg/s offered for %s, Retention %s; "+
+		"a REPEATABLE READ reader holds the xmin horizon from %s for %s\n\n",
+		c, groups, holdSubs, cfg.holdRate, cfg.holdDuration, cfg.holdRetention, cfg.holdAt, cfg.holdFor)
+	fmt.Printf("Rates per second; handled: one column per group; lag = published - handled, of the group furthest behind. " +
+		"Per table: index entries read per index scan in that second (pg_stat_user_indexes, summed over the table's indexes; - = no scan) " +
+		"and dead rows (n_dead_tup). Backends report these counts about once a second, so a second's figures may include the one before.\n\n")
+	fmt.Printf("%5s %-6s %8s %-*s %8s | %8s %9s | %8s %9s | %8s %9s\n", "t", "phase", "offered", 8*groups+groups-1, "handled", "lag",
+		"claims", "dead", "messages", "dead", "groups", "dead")
+
+	st0, err := b.holdStats(ctx, tables)
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	p := startPacer(runCtx, pub, topic, cfg.holdRate, b.payload)
+	stopped := false
+	stopPacer := func() {
+		if !stopped {
+			stopped = true
+			p.stop()
+		}
+	}
+	defer stopPacer()
+
+	// The reader: opened at -hold-at, committed -hold-for later.
+	span := &holdSpan{}
+	readerDone := make(chan struct{})
+	go func() {
+		defer close(readerDone)
+		select {
+		case <-time.After(cfg.holdAt - time.Since(start)):
+		case <-runCtx.Done():
+			return
+		}
+		r, err := b.openHoldReader(runCtx, tables.Messages)
+		span.mu.Lock()
+		if err != nil {
+			span.err = err
+			span.mu.Unlock()
+			return
+		}
+		span.opened, span.from, span.pid, span.xmin = true, time.Since(start), r.pid, r.xmin
+		span.mu.Unlock()
+		select {
+		case <-time.After(cfg.holdFor):
+		case <-runCtx.Done():
+		}
+		err = r.end()
+		span.mu.Lock()
+		span.closed, span.to = true, time.Since(start)
+		if err != nil {
+			span.err = fmt.Errorf("reader: commit: %w", err)
+		}
+		span.mu.Unlock()
+	}()
+	defer func() {
+		cancel()
+		<-readerDone
+	}()
+
+	samples := []holdSample{{handled: make([]int64, groups), stats: st0}}
+	var sizesAtStart, sizesAtEnd [holdTables]int64
+	var haveStartSizes, haveEndSizes, announced bool
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-tick.C:
+		case err := <-runErr:
+			runErr <- err
+			return fmt.Errorf("router stopped early: %v", err)
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+		s := holdSample{at: time.Since(start), published: p.published.Load(), due: p.due.Load(), handled: make([]int64, groups)}
+		for g := range handled {
+			s.handled[g] = handled[g].Load()
+		}
+		if s.stats, err = b.holdStats(ctx, tables); err != nil {
+			return err
+		}
+		prev := samples[len(samples)-1]
+		s.inHold = span.covers(prev.at, s.at)
+		samples = append(samples, s)
+		opened, closed, _, _, rerr := span.get()
+		if rerr != nil {
+			return rerr
+		}
+		if perr := p.failed(); perr != nil {
+			return perr
+		}
+		if opened && !announced {
+			announced = true
+			span.mu.Lock()
+			fmt.Printf("      reader opened at %s: pid %d, backend_xmin %s\n", span.from.Round(time.Millisecond), span.pid, span.xmin)
+			span.mu.Unlock()
+		}
+		if opened && !haveStartSizes {
+			if sizesAtStart, err = b.holdSizes(ctx, tables); err != nil {
+				return err
+			}
+			haveStartSizes = true
+		}
+		if closed && !haveEndSizes {
+			if sizesAtEnd, err = b.holdSizes(ctx, tables); err != nil {
+				return err
+			}
+			haveEndSizes = true
+		}
+		printHoldLine(prev, s, span, cfg.holdRate)
+		if s.at >= cfg.holdDuration-100*time.Millisecond {
+			break
+		}
+	}
+	stopPacer()
+	sizesFinal, err := b.holdSizes(ctx, tables)
+	if err != nil {
+		return err
+	}
+	_, _, from, to, _ := span.get()
+	sum := summarizeHold(samples, p, cfg.holdRate)
+	sum.print(c, from, to, sizesAtStart, sizesAtEnd, sizesFinal, haveStartSizes, haveEndSizes)
+
+	if sum.minWindow >= 0 {
+		b.results.set("11a", c, 100*sum.minWindow)
+	}
+	b.results.set("11b", c, float64(sum.maxLag))
+	if v := sum.perScan[holdClaims][2]; v >= 0 {
+		b.results.set("11c", c, v)
+	}
+	if v := sum.perScan[holdMessages][2]; v >= 0 {
+		b.results.set("11d", c, v)
+	}
+	if haveEndSizes {
+		var total int64
+		for _, v := range sizesAtEnd {
+			total += v
+		}
+		b.results.set("11e", c, mib(uint64(total)))
+	}
+	if sum.behind() {
+		b.results.note(fmt.Sprintf("%s, scenario 11: the publishers could not keep up with %d msg/s: %d of %d due published, at most %d behind",
+			c, cfg.holdRate, sum.published, sum.due, sum.maxBehind))
+	}
+	if sum.minWindow < 0 {
+		b.results.note(fmt.Sprintf("%s, scenario 11: the hold covered fewer than %d whole seconds; row 11a has no window", c, holdWindow))
+	}
+	return nil
+}
+
+func printHoldLine(prev, s holdSample, span *holdSpan, rate int) {
+	dt := (s.at - prev.at).Seconds()
+	opened, closed, _, to, _ := span.get()
+	phase := "before"
+	switch {
+	case s.inHold:
+		phase = "hold"
+	case opened && !closed:
+		phase = "start" // the reader opened during this second
+	case closed && prev.at < to:
+		phase = "end" // the reader committed during this second
+	case closed:
+		phase = "after"
+	}
+	var hs []string
+	for g := range s.handled {
+		hs = append(hs, fmt.Sprintf("%8.0f", float64(s.handled[g]-prev.handled[g])/dt))
+	}
+	lag, _ := s.lag()
+	var cols []string
+	for k := range holdTables {
+		cols = append(cols, fmt.Sprintf("%8s %9d", formatPerScan(entriesPerScan(prev, s, k)), s.stats[k].dead))
+	}
+	line := fmt.Sprintf("%4.0fs %-6s %8.0f %s %8d | %s", s.at.Seconds(), phase, float64(s.published-prev.published)/dt,
+		strings.Join(hs, " "), lag, strings.Join(cols, " | "))
+	if behind := s.due - s.published; behind > int64(rate/2) {
+		line += fmt.Sprintf("  (publishers %d behind)", behind)
+	}
+	fmt.Println(line)
+}
+
+// holdSummary is what the summary block prints.
+type holdSummary struct {
+	holdSeconds                int
+	minSecond                  float64 // lowest handled/offered of a group over one second of the hold; -1 if none
+	minSecondRate              float64 // that second's handled rate
+	minSecondAt                time.Duration
+	minSecondGroup             int
+	minWindow                  float64 // lowest handled/offered of a group over holdWindow seconds of the hold; -1 if none
+	minWindowAt                time.Duration
+	minWindowGroup             int
+	maxLag                     int64
+	maxLagAt                   time.Duration
+	maxLagGroup                int
+	perScan                    [holdTables][3]float64 // before the hold, its first and its last holdWindow seconds
+	deadAtEnd                  [holdTables]int64
+	afterRate                  float64 // lowest group's mean handled rate after the hold; -1 if none
+	afterSeconds               int
+	finalLag                   int64
+	published, due, maxBehind  int64
+	rate                       int
+	offeredDuring, handledMean float64 // during the hold: mean offered, lowest group's mean handled
+}
+
+func (s *holdSummary) behind() bool {
+	return s.maxBehind > int64(s.rate) || s.published < s.due*99/100
+}
+
+func summarizeHold(samples []holdSample, p *pacer, rate int) *holdSummary {
+	s := &holdSummary{minSecond: -1, minWindow: -1, afterRate: -1, rate: rate,
+		published: p.published.Load(), due: p.due.Load(), maxBehind: p.maxBehind.Load()}
+	for k := range holdTables {
+		s.perScan[k] = [3]float64{-1, -1, -1}
+	}
+	first, last := -1, -1 // samples that end the first and the last second of the hold
+	for i := 1; i < len(samples); i++ {
+		cur, prev := samples[i], samples[i-1]
+		if lag, g := cur.lag(); lag > s.maxLag || i == 1 {
+			s.maxLag, s.maxLagAt, s.maxLagGroup = lag, cur.at, g
+		}
+		if !cur.inHold {
+			continue
+		}
+		if first < 0 {
+			first = i
+		}
+		last = i
+		s.holdSeconds++
+		offered := cur.published - prev.published
+		for g := range cur.handled {
+			if offered <= 0 {
+				break
+			}
+			r := float64(cur.handled[g]-prev.handled[g]) / float64(offered)
+			if s.minSecond < 0 || r < s.minSecond {
+				s.minSecond, s.minSecondAt, s.minSecondGroup = r, cur.at, g
+				s.minSecondRate = float64(cur.handled[g]-prev.handled[g]) / (cur.at - prev.at).Seconds()
+			}
+		}
+		if i >= holdWindow {
+			w := samples[i-holdWindow]
+			whole := true
+			for j := i - holdWindow + 1; j <= i; j++ {
+				whole = whole && samples[j].inHold
+			}
+			if offered := cur.published - w.published; whole && offered > 0 {
+				for g := range cur.handled {
+					r := float64(cur.handled[g]-w.handled[g]) / float64(offered)
+					if s.minWindow < 0 || r < s.minWindow {
+						s.minWindow, s.minWindowAt, s.minWindowGroup = r, cur.at, g
+					}
+				}
+			}
+		}
+	}
+	if first < 0 {
+		return s
+	}
+	span := func(a, b int) (holdSample, holdSample) {
+		return samples[max(a, 0)], samples[min(b, len(samples)-1)]
+	}
+	for k := range holdTables {
+		if first-1 > 0 {
+			a, b := span(first-1-holdWindow, first-1)
+			s.perScan[k][0] = entriesPerScan(a, b, k)
+		}
+		a, b := span(first-1, first-1+holdWindow)
+		s.perScan[k][1] = entriesPerScan(a, b, k)
+		a, b = span(last-holdWindow, last)
+		s.perScan[k][2] = entriesPerScan(a, b, k)
+		s.deadAtEnd[k] = samples[last].stats[k].dead
+	}
+	a, b := samples[first-1], samples[last]
+	secs := (b.at - a.at).Seconds()
+	s.offeredDuring = float64(b.published-a.published) / secs
+	s.handledMean = -1
+	for g := range b.handled {
+		if r := float64(b.handled[g]-a.handled[g]) / secs; s.handledMean < 0 || r < s.handledMean {
+			s.handledMean = r
+		}
+	}
+	end := samples[len(samples)-1]
+	s.finalLag, _ = end.lag()
+	// After the hold: from the first sample after it, to the end.
+	for i := last + 1; i < len(samples); i++ {
+		if samples[i].inHold {
+			continue
+		}
+		a := samples[i]
+		if a.at >= end.at {
+			break
+		}
+		s.afterSeconds = int((end.at - a.at).Seconds() + 0.5)
+		for g := range end.handled {
+			if r := float64(end.handled[g]-a.handled[g]) / (end.at - a.at).Seconds(); s.afterRate < 0 || r < s.afterRate {
+				s.afterRate = r
+			}
+		}
+		break
+	}
+	return s
+}
+
+func pct(v float64) string {
+	if v < 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f%%", 100*v)
+}
+
+func (s *holdSummary) print(c contender, from, to time.Duration, atStart, atEnd, final [holdTables]int64, haveStart, haveEnd bool) {
+	fmt.Printf("\nSummary, hold, %s:\n", c)
+	fmt.Printf("- publishers: %d of %d due published (%.1f%%), at most %d behind", s.published, s.due, 100*float64(s.published)/float64(max(s.due, 1)), s.maxBehind)
+	if s.behind() {
+		fmt.Printf(": COULD NOT KEEP UP with %d msg/s", s.rate)
+	}
+	fmt.Println()
+	if s.holdSeconds == 0 {
+		fmt.Printf("- the hold covered no whole second\n")
+	} else {
+		fmt.Printf("- the hold: %s to %s, %d whole seconds; offered %.0f msg/s, handled %.0f msg/s (the slowest group's mean)\n",
+			from.Round(time.Millisecond), to.Round(time.Millisecond), s.holdSeconds, s.offeredDuring, s.handledMean)
+		fmt.Printf("- min handled during the hold, as %% of offered: %s over %d s windows (group %d, window ending at %.0fs); %s over one second (group %d at %.0fs: %.0f msg/s)\n",
+			pct(s.minWindow), holdWindow, s.minWindowGroup, s.minWindowAt.Seconds(), pct(s.minSecond), s.minSecondGroup, s.minSecondAt.Seconds(), s.minSecondRate)
+	}
+	fmt.Printf("- max lag: %d (group %d at %.0fs); at the end: %d\n", s.maxLag, s.maxLagGroup, s.maxLagAt.Seconds(), s.finalLag)
+	if s.holdSeconds > 0 {
+		fmt.Printf("- index entries read per index scan, %d s before the hold / its first %d s / its last %d s; dead rows at its end:\n", holdWindow, holdWindow, holdWindow)
+		for k := range holdTables {
+			fmt.Printf("  - %-8s %8s / %8s / %8s; %d dead\n", holdTableNames[k], formatPerScan(s.perScan[k][0]),
+				formatPerScan(s.perScan[k][1]), formatPerScan(s.perScan[k][2]), s.deadAtEnd[k])
+		}
+	}
+	if s.afterRate >= 0 {
+		fmt.Printf("- after the hold: handled %.0f msg/s over %d s (the slowest group's mean)\n", s.afterRate, s.afterSeconds)
+	}
+	fmt.Printf("- sizes (pg_total_relation_size: table, indexes, TOAST):\n")
+	if haveStart {
+		fmt.Printf("  - hold start: %s\n", formatSizes(atStart))
+	}
+	if haveEnd {
+		fmt.Printf("  - hold end:   %s\n", formatSizes(atEnd))
+	}
+	fmt.Printf("  - run end:    %s\n\n", formatSizes(final))
+}
