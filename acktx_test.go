@@ -27,11 +27,22 @@ func takeAway(t *testing.T, mode sqlbroker.ClaimMode, claims string, offset int6
 	ctx := context.Background()
 	pool := testdb.Pgx(t)
 	var token int64
-	if err := pool.QueryRow(ctx, `SELECT "token" FROM `+claims+` WHERE "offset" = $1`, offset).Scan(&token); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT "token" FROM `+claims+` WHERE "offsets" @> ARRAY[$1::bigint]`, offset).Scan(&token); err != nil {
 		return // settled meanwhile
 	}
 	if mode == sqlbroker.ClaimLease {
-		_, _ = pool.Exec(ctx, `UPDATE `+claims+` SET "visible_at" = now() - interval '1 second' WHERE "offset" = $1 AND "token" = $2`, offset, token)
+		// The claim leaves its row for one of its own, due at once: the lease of this claim
+		// alone ran out.
+		_, _ = pool.Exec(ctx, `WITH u AS (
+	UPDATE `+claims+` SET "offsets" = array_remove("offsets", $1::bigint)
+	WHERE "offsets" @> ARRAY[$1::bigint] AND "token" = $2 AND cardinality("offsets") > 1
+	RETURNING "group_id", "attempts"
+), alone AS (
+	UPDATE `+claims+` SET "visible_at" = now() - interval '1 second'
+	WHERE "offsets" = ARRAY[$1::bigint] AND "token" = $2
+)
+INSERT INTO `+claims+` ("group_id", "token", "attempts", "visible_at", "offsets")
+SELECT "group_id", -1 - $1::bigint, "attempts", now() - interval '1 second', ARRAY[$1::bigint] FROM u`, offset, token)
 	} else {
 		_, _ = pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_locks
 			WHERE locktype = 'advisory' AND objsubid = 2 AND objid = $1::bigint::oid AND classid BETWEEN 1275068416 AND 1291845631`, offset)
@@ -39,8 +50,8 @@ func takeAway(t *testing.T, mode sqlbroker.ClaimMode, claims string, offset int6
 	deadline := time.Now().Add(5 * time.Second)
 	for time.Now().Before(deadline) {
 		var now int64
-		err := pool.QueryRow(ctx, `SELECT "token" FROM `+claims+` WHERE "offset" = $1`, offset).Scan(&now)
-		if err != nil || now != token && now != 0 {
+		err := pool.QueryRow(ctx, `SELECT "token" FROM `+claims+` WHERE "offsets" @> ARRAY[$1::bigint]`, offset).Scan(&now)
+		if err != nil || now != token && now > 0 {
 			return
 		}
 		time.Sleep(20 * time.Millisecond)

@@ -75,7 +75,7 @@ func TestSubscriber_L3_ackRacingExtensionIsApplied(t *testing.T) {
 			}
 			assert.Equal(t, n, len(seen))
 			assert.Equal(t, 0, dups, "messages delivered more than once")
-			assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims), "claims left")
+			assert.Equal(t, 0, claimedPG(t, tables(topic).Claims, "true"), "claims left")
 		})
 	}
 }
@@ -146,10 +146,10 @@ func TestSubscriber_C1_claimBlockedLongerThanLeaseKeepsItsLease(t *testing.T) {
 	for _, m := range got {
 		t.Logf("attempt %s offset %s", m.Metadata.Get(sqlbroker.MetadataAttempt), m.Metadata.Get(sqlbroker.MetadataOffset))
 	}
-	t.Logf("claims: %v", queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE visible_at < now()"))
+	t.Logf("claims: %v", claimedPG(t, tables(topic).Claims, "visible_at < now()"))
 	require.Len(t, got, 1, "the message was taken again while its handler worked")
 	got[0].Ack()
 	testdb.Eventually(t, 10*time.Second, "the ack applied", func() bool {
-		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims) == 0
+		return claimedPG(t, tables(topic).Claims, "true") == 0
 	})
 }

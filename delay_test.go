@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"sort"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -446,4 +447,58 @@ func horizonPassedWithin(t *testing.T, topic string, d time.Duration) bool {
 		}
 		time.Sleep(10 * time.Millisecond) // polling the server's horizon
 	}
+}
+
+// Tables of schema version 2 kept a claim row per message: InitializeSchema moves their
+// claims into rows per claim, keeping each claim's attempts and lease, and the messages
+// they hold come back to the group, the acked one does not; without it Subscribe says how
+// to upgrade them.
+func TestSchema_version2ClaimsMoved(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	tb := tables(topic)
+	pool := testdb.Pgx(t)
+	pub := newPublisher(t, pgxDB(t))
+	publish(t, pub, topic, "a", "b", "c", "d")
+	old := `"` + strings.Trim(tb.Claims, `"`) + `"`
+	_, err := pool.Exec(ctx, `DROP TABLE `+tb.Claims+`;
+CREATE TABLE `+old+` (
+	"group_id"   integer     NOT NULL,
+	"offset"     bigint      NOT NULL,
+	"token"      bigint      NOT NULL,
+	"visible_at" timestamptz NOT NULL,
+	"attempts"   integer     NOT NULL,
+	CONSTRAINT "`+strings.TrimSuffix(strings.Trim(tb.Claims, `"`), "_claims")+`_c_pkey" PRIMARY KEY ("group_id", "offset"));
+INSERT INTO `+tb.Groups+` ("consumer_group", "last_xid", "last_offset")
+	SELECT 'g', "xid", "offset" FROM `+tb.Messages+` ORDER BY "offset" DESC LIMIT 1;
+INSERT INTO `+old+` SELECT g."group_id", m."offset",
+	CASE WHEN m."uuid" IN (SELECT "uuid" FROM `+tb.Messages+` ORDER BY "offset" LIMIT 2) THEN 7 ELSE 0 END,
+	now() - interval '1 second',
+	CASE WHEN m."uuid" IN (SELECT "uuid" FROM `+tb.Messages+` ORDER BY "offset" LIMIT 2) THEN 1 ELSE 2 END
+	FROM `+tb.Messages+` m, `+tb.Groups+` g WHERE m."offset" < (SELECT max("offset") FROM `+tb.Messages+`);
+COMMENT ON TABLE `+tb.Messages+` IS 'sqlbroker schema v2'`)
+	require.NoError(t, err)
+
+	plain, err := sqlbroker.NewSubscriber(pgxDB(t), sqlbroker.SubscriberConfig{ConsumerGroup: "g"}, nil)
+	require.NoError(t, err)
+	defer plain.Close()
+	_, err = plain.Subscribe(ctx, topic)
+	var verr *sqlbroker.SchemaVersionError
+	require.ErrorAs(t, err, &verr)
+	assert.Contains(t, err.Error(), "stop the consumers of the older library")
+
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: delayPoll})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	got := map[string]string{}
+	for range 3 {
+		m := receive(t, msgs, 10*time.Second)
+		got[string(m.Payload)] = m.Metadata.Get(sqlbroker.MetadataAttempt)
+		m.Ack()
+	}
+	assert.Equal(t, map[string]string{"a": "2", "b": "2", "c": "3"}, got)
+	noMessage(t, msgs, 300*time.Millisecond)
+	assert.Equal(t, 0, queryInt(t, `SELECT count(*) FROM pg_class WHERE relname = $1`, strings.Trim(tb.Claims, `"`)+"_v2"), "the old claims table is left")
+	testdb.Eventually(t, 10*time.Second, "every claim settled", func() bool { return claimedPG(t, tb.Claims, "true") == 0 })
 }

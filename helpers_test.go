@@ -49,6 +49,23 @@ type rawSQL struct {
 	lite *sql.DB
 }
 
+// claimed counts the claims in table claims that match where (a condition on the columns
+// token and visible_at, "true" for all; a held claim has a token above 0). On PostgreSQL a
+// claim row holds the offsets of one claim statement; on SQLite, one.
+func (r rawSQL) claimed(t *testing.T, claims, where string) int {
+	t.Helper()
+	if r.lite != nil {
+		return r.count(t, "SELECT count(*) FROM "+claims+" WHERE "+where)
+	}
+	return r.count(t, "SELECT coalesce(sum(cardinality(offsets)), 0) FROM "+claims+" WHERE "+where)
+}
+
+// claimedPG is rawSQL.claimed on the test database of PostgreSQL.
+func claimedPG(t *testing.T, claims, where string) int {
+	t.Helper()
+	return rawSQL{pg: testdb.Pgx(t)}.claimed(t, claims, where)
+}
+
 // count runs a query of one integer.
 func (r rawSQL) count(t *testing.T, query string, args ...any) int {
 	t.Helper()

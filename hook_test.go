@@ -135,7 +135,7 @@ func testHandlerStopStopsAlone(t *testing.T, db string) {
 	for range 2 {
 		waitClosed(t, startedA, 10*time.Second, "a message of topic A in a handler")
 	}
-	claimsA := func() int { return hb.raw.count(t, "SELECT count(*) FROM "+tables(topicA).Claims+" WHERE token <> 0") }
+	claimsA := func() int { return hb.raw.claimed(t, tables(topicA).Claims, "token > 0") }
 	testdb.Eventually(t, 10*time.Second, "claims held ahead on topic A", func() bool { return claimsA() > 2 })
 
 	handlerA.Stop()
@@ -257,7 +257,7 @@ func TestRouterHook_S12_reportSameByCloseAndCancel(t *testing.T) {
 				waitClosed(t, started, 10*time.Second, "a message in a handler")
 			}
 			held := func() int {
-				return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE visible_at = 'infinity'")
+				return claimedPG(t, tables(topic).Claims, "visible_at = 'infinity'")
 			}
 			testdb.Eventually(t, 10*time.Second, "claims held ahead", func() bool { return held() == inWork+ahead })
 

@@ -226,7 +226,7 @@ type valueTracer struct {
 }
 
 func (v *valueTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
-	if strings.Contains(data.SQL, "INSERT INTO") && strings.Contains(data.SQL, "_messages") {
+	if strings.Contains(data.SQL, "INSERT INTO") && strings.Contains(data.SQL, "_messages") && !strings.Contains(data.SQL, "CREATE TABLE") {
 		v.mu.Lock()
 		v.seen = append(v.seen, ctx.Value(requestIDKey{}))
 		v.mu.Unlock()

@@ -83,11 +83,11 @@ func TestSubscriber_L3_staleAckRefusedAndCounted(t *testing.T) {
 	m1.Ack() // stale
 	testdb.Eventually(t, 10*time.Second, "the stale ack to be refused", func() bool { return slow.Stats().StaleSettlements == 1 })
 	assert.Equal(t, int64(0), slow.Stats().Acked)
-	assert.Equal(t, 1, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims), "the stale ack deleted the claim")
+	assert.Equal(t, 1, claimedPG(t, tables(topic).Claims, "true"), "the stale ack deleted the claim")
 
 	m2.Ack()
 	testdb.Eventually(t, 10*time.Second, "the new holder's ack", func() bool { return other.Stats().Acked == 1 })
-	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims))
+	assert.Equal(t, 0, claimedPG(t, tables(topic).Claims, "true"))
 }
 
 // A lease that cannot be extended is lost: the message's context is cancelled with
@@ -241,7 +241,7 @@ func TestSubscriber_M4_nackBackoffAndAttempts(t *testing.T) {
 	m.Ack()
 	testdb.Eventually(t, 10*time.Second, "the ack", func() bool { return sub.Stats().Acked == 1 })
 	assert.Equal(t, int64(2), sub.Stats().Nacked)
-	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims))
+	assert.Equal(t, 0, claimedPG(t, tables(topic).Claims, "true"))
 }
 
 // Cancelling the Subscribe context gives back at once every claim not yet handed to a handler
@@ -258,12 +258,12 @@ func TestSubscriber_M5_cancelReleasesUndeliveredClaims(t *testing.T) {
 	require.NoError(t, err)
 	held := receive(t, msgs, 10*time.Second) // handed out; the other nine are claimed, waiting
 	testdb.Eventually(t, 10*time.Second, "ten claims", func() bool {
-		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims) == 10
+		return claimedPG(t, tables(topic).Claims, "true") == 10
 	})
 	cancel()
 	for range msgs { // closed once the claims are given back
 	}
-	assert.Equal(t, 9, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token = 0 AND visible_at <= now()"),
+	assert.Equal(t, 9, claimedPG(t, tables(topic).Claims, "token <= 0 AND visible_at <= now()"),
 		"undelivered claims not released")
 	assert.Equal(t, int64(9), sub.Stats().Released)
 
@@ -292,7 +292,7 @@ func TestSubscriber_M5_closeReleasesAndReports(t *testing.T) {
 	require.NoError(t, err)
 	m := receive(t, msgs, 10*time.Second)
 	testdb.Eventually(t, 10*time.Second, "five claims", func() bool {
-		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims) == 5
+		return claimedPG(t, tables(topic).Claims, "true") == 5
 	})
 
 	rep, err := sub.Shutdown(ctx)
@@ -311,7 +311,7 @@ func TestSubscriber_M5_closeReleasesAndReports(t *testing.T) {
 	assert.ErrorIs(t, err, sqlbroker.ErrClosed)
 	m.Ack() // within its lease, but after Shutdown: not applied (S4, S11)
 	holds(t, 500*time.Millisecond, "the late ack not applied", func() bool {
-		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token <> 0") == 1
+		return claimedPG(t, tables(topic).Claims, "token > 0") == 1
 	})
 	assert.Equal(t, int64(0), sub.Stats().Acked)
 }
@@ -494,7 +494,7 @@ func TestSubscriber_M3_handlersBoundedClaimsAheadGivenBack(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	topic, sub, msgs, inHandlers := inHandlersOfBacklog(t, sqlbroker.SubscriberConfig{MaxInFlight: 4}, 20)
-	claims := func() int { return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims) }
+	claims := func() int { return claimedPG(t, tables(topic).Claims, "true") }
 	testdb.Eventually(t, 10*time.Second, "four claims held ahead", func() bool { return claims() == 8 })
 	noMessage(t, msgs, 300*time.Millisecond) // four in handlers: no fifth
 	assert.Equal(t, 8, claims(), "more than MaxInFlight + BatchSize claimed")
@@ -510,12 +510,12 @@ func TestSubscriber_M3_handlersBoundedClaimsAheadGivenBack(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 4, rep.DeliveriesInWork)
 	assert.Equal(t, held-4, rep.ClaimsReleased, "claims held ahead not given back")
-	assert.Equal(t, held-4, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token = 0 AND visible_at <= now()"))
+	assert.Equal(t, held-4, claimedPG(t, tables(topic).Claims, "token <= 0 AND visible_at <= now()"))
 	for _, m := range inHandlers {
 		m.Ack() // within their leases, but after Shutdown: not applied (S4, S11)
 	}
 	holds(t, 500*time.Millisecond, "the late acks not applied", func() bool {
-		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token <> 0") == 4
+		return claimedPG(t, tables(topic).Claims, "token > 0") == 4
 	})
 	assert.Equal(t, int64(1), sub.Stats().Acked)
 }
@@ -530,7 +530,7 @@ func TestSubscriber_A6_advisoryLocksBoundedClaimsAheadGivenBack(t *testing.T) {
 	cfg := sqlbroker.SubscriberConfig{ClaimMode: sqlbroker.ClaimAdvisoryLock, MaxInFlight: 4, BatchSize: 3}
 	topic, sub, msgs, inHandlers := inHandlersOfBacklog(t, cfg, 20)
 	claims := func() int {
-		return queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE visible_at = 'infinity'")
+		return claimedPG(t, tables(topic).Claims, "visible_at = 'infinity'")
 	}
 	key1 := advisory.Key1(tables(topic).Messages, sqlbroker.DefaultConsumerGroup)
 	locks := func() int {
@@ -558,7 +558,7 @@ func TestSubscriber_A6_advisoryLocksBoundedClaimsAheadGivenBack(t *testing.T) {
 	assert.Equal(t, 3, rep.ClaimsReleased, "claims held ahead not given back")
 	assert.Equal(t, 7, rep.LocksReleased, "the locks of the claims held ahead and of the deliveries in work")
 	assert.Equal(t, 0, locks(), "locks left after Shutdown")
-	assert.Equal(t, 3, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims+" WHERE token = 0 AND visible_at <= now()"))
+	assert.Equal(t, 3, claimedPG(t, tables(topic).Claims, "token <= 0 AND visible_at <= now()"))
 	for _, m := range inHandlers {
 		m.Ack() // after Shutdown returned: not applied, and nothing waits for it (S5, S11)
 	}
@@ -618,7 +618,7 @@ func TestSubscriber_A3_lockLostWhileHeldAhead(t *testing.T) {
 	}
 	assert.Equal(t, map[string]string{"0": "2", "1": "2", "2": "2", "3": "2", "4": "1", "5": "1"}, seen)
 	testdb.Eventually(t, 10*time.Second, "acks applied", func() bool { return sub.Stats().Acked == 6 })
-	assert.Equal(t, 0, queryInt(t, "SELECT count(*) FROM "+tables(topic).Claims))
+	assert.Equal(t, 0, claimedPG(t, tables(topic).Claims, "true"))
 	rep, err := sub.Shutdown(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, 0, rep.LocksReleased)

@@ -76,10 +76,11 @@ func databaseOf(d dbx.Dialect) database {
 type settleOp int
 
 const (
-	settleAck     settleOp = iota // delete them
-	settleNack                    // make them visible again after the backoff
-	settleRelease                 // make them visible at once, the attempt taken back
-	settleExtend                  // move their lease deadline
+	settleAck        settleOp = iota // delete them
+	settleNack                       // make them visible again after the backoff
+	settleRelease                    // make them visible at once, the attempt taken back
+	settleExtend                     // move their lease deadline
+	settleDeadLetter                 // delete them and copy their messages to another topic
 )
 
 // BackendAlive reports whether the server process pid (a connection's dbx.Conn.PID) still

@@ -68,92 +68,24 @@ func (postgres) prepare(t Tables, asyncCommit bool) database {
 	}
 	s.with, s.cond = with, cond
 
-	// One round trip claims up to $4 messages for group $1 under token $2 with a lease of $3 ms:
-	//  - due: claims of the group that are due again (their lease ran out, or they were nacked
-	//    or released and their backoff passed), taken with a new token, so the old holder's
-	//    token no longer matches (L3); SKIP LOCKED leaves those another claimer is taking;
-	//  - if that left room and a message is waiting: lock the group row (serialises the
-	//    group's claimers for a few milliseconds; an empty poll locks nothing, so it writes
-	//    nothing and takes no transaction id), read the next messages after its position that were written by
-	//    transactions older than every running one (M2), claim them and advance the position.
-	//    The position is read through scalar subqueries so that it reaches the index scan of
-	//    (xid, offset) as a bound: joined as a row, the planner would scan from the start of
-	//    the index and filter, a cost that grows with every message the group consumed.
-	// Redeliveries come first, then new messages in (xid, offset) order. claimNewSQL is the
-	// same statement without the due step (see dueSQL).
-	//
-	// No parameter is used in an expression evaluated per row: the lease deadline is computed
-	// once, in a subquery. The server keeps a generic plan of a prepared statement only if it
-	// does not look dearer than the custom plans made with the parameters' values, and a
-	// constant-folded deadline makes the custom plans look cheaper on a large table, so every
-	// claim would be planned anew (TestClaimsKeepGenericPlans).
-	claim := func(due, r string) string {
-		return fmt.Sprintf(`%[4]s`+due+`, `+r+`, g AS (
-	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
-	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4%[5]s
-	  AND (`+nextWaitingSQL+`) IS NOT NULL
-	FOR UPDATE
-), `+newMessagesSQL("", "$5")+`, ins AS (
-	INSERT INTO %[3]s ("group_id", "offset", "token", "visible_at", "attempts")
-	SELECT $1, m."offset",
-		CASE WHEN m."later" IS NULL THEN $2::bigint ELSE 0 END,
-		coalesce(m."later", (SELECT clock_timestamp() + $3::float8 * interval '1 millisecond')),
-		CASE WHEN m."later" IS NULL THEN 1 ELSE 0 END
-	FROM m
-)`+claimTailSQL(`m WHERE m."later" IS NULL`), t.Groups, t.Messages, t.Claims, with, cond)
-	}
-	s.claimSQL = claim(dueSQL, leasedAgainSQL)
-	s.claimNewSQL = claim(noDueSQL, noneAgainSQL)
+	s.claimSQL = claimSQL(t, with, cond, true, false)
+	s.claimNewSQL = claimSQL(t, with, cond, false, false)
+	s.claimLockedSQL = claimSQL(t, with, cond, true, true)
+	s.claimLockedNewSQL = claimSQL(t, with, cond, false, true)
 
-	s.claimLockedSQL = claimLockedSQL(t, with, cond, dueSQL, lockedAgainSQL)
-	s.claimLockedNewSQL = claimLockedSQL(t, with, cond, noDueSQL, noneAgainSQL)
-
-	// Settlements are fenced by the claim's key and token and take many claims at once.
-	//  - k finds each claim by its own probe of the primary key (the LATERAL subquery, which
-	//    FOR UPDATE keeps from being flattened into a join), so that no plan, the server's
-	//    generic one included, reads more of the index than the keys given. Joined to the
-	//    arrays directly, the generic plan is a bitmap scan of the group's whole key range,
-	//    which reads the entry of every claim deleted since the last vacuum, a cost that grows
-	//    with the backlog drained (TestSettlePlansStayFlat). FOR
-	//    UPDATE locks the claim's newest version and checks the key and token on it (L3): k
-	//    holds exactly the claims that are still this delivery's.
-	//  - d changes those claims by row address. A claim that a concurrent statement (an
-	//    extension of the same lease) changed after this statement's snapshot was taken is
-	//    locked by k in its newer version, which d cannot see: it is returned as fenced but
-	//    not applied, and settle runs the statement again for it (L3: a refusal means only
-	//    that the claim is no longer the delivery's).
-	settle := func(stmt string) string {
-		head := with
-		if !asyncCommit {
-			head = "WITH "
-		}
-		return head + fmt.Sprintf(`k AS (
-	SELECT x.t, a."offset" AS o FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token"),
-	LATERAL (SELECT c.ctid AS t FROM %[1]s c
-		WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
-		FOR UPDATE) x
-), d AS (
-`+stmt+`
-WHERE c.ctid = ANY (ARRAY(SELECT t FROM k))`+cond+`
-RETURNING c."offset"
-)
-SELECT k.o, EXISTS (SELECT 1 FROM d WHERE d."offset" = k.o) FROM k`, t.Claims)
-	}
-	s.ackSQL = settle(`DELETE FROM %[1]s c`)
-
-	s.nackSQL = settle(`UPDATE %[1]s c SET "token" = 0, "visible_at" = now() + $4::float8 * interval '1 millisecond'`)
-
+	// Settlements always run under the asynchronous-commit prefix when it is asked for.
+	s.ackSQL = settleSQL(t, with, cond, settleAck, "")
+	s.nackSQL = settleSQL(t, with, cond, settleNack, "")
 	// Release gives back claims that never reached a handler: visible at once, and the attempt
 	// they were counted as is taken back.
-	s.releaseSQL = settle(`UPDATE %[1]s c SET "token" = 0, "visible_at" = now(), "attempts" = greatest(c."attempts" - 1, 0)`)
-
+	s.releaseSQL = settleSQL(t, with, cond, settleRelease, "")
 	// The lease deadlines of claims and extensions count from when the row is written
 	// (clock_timestamp), not from the start of the statement (now): a statement that waited
 	// on a lock longer than the lease (a migration's table lock) would otherwise write a lease
 	// that has already run out, and the group's next claim would take the message again while
 	// its handler works. The subscriber counts its own deadline from before the statement was
 	// sent, so it never outlives the database's.
-	s.extendSQL = settle(`UPDATE %[1]s c SET "visible_at" = clock_timestamp() + $4::float8 * interval '1 millisecond'`)
+	s.extendSQL = settleSQL(t, with, cond, settleExtend, "")
 
 	s.insertPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata") VALUES `, t.Messages)
 	s.insertDelayedPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata", "deliver_at") VALUES `, t.Messages)
@@ -165,6 +97,7 @@ RETURNING "group_id"`, t.Groups)
 	s.lookupGrpSQL = fmt.Sprintf(`SELECT "group_id" FROM %s WHERE "consumer_group" = $1`, t.Groups)
 
 	// Messages every group has passed and none still claims, older than $1 ms, at most $2.
+	// The claimed offsets are read once, from the claims table's few rows, into a hashed set.
 	s.pruneSQL = fmt.Sprintf(`WITH low AS (
 	SELECT "last_xid", "last_offset" FROM %[1]s ORDER BY "last_xid", "last_offset" LIMIT 1
 )
@@ -173,7 +106,7 @@ WHERE m."offset" IN (
 	SELECT d."offset" FROM %[2]s d
 	WHERE (d."xid", d."offset") <= ((SELECT "last_xid" FROM low), (SELECT "last_offset" FROM low))
 	  AND d."created_at" < now() - $1::float8 * interval '1 millisecond'
-	  AND NOT EXISTS (SELECT 1 FROM %[3]s c WHERE c."offset" = d."offset")
+	  AND d."offset" NOT IN (SELECT x.o FROM %[3]s c, unnest(c."offsets") x(o))
 	ORDER BY d."xid", d."offset"
 	LIMIT $2
 )`, t.Groups, t.Messages, t.Claims)
@@ -213,38 +146,6 @@ func newMessagesSQL(mat, pass string) string {
 	WHERE w."nth" - (w."later" IS NULL)::int < (SELECT $4 - count(*) FROM due)
 )`
 }
-
-// dueSQL is the due step of the claim statements: up to $4 claims of group $1 whose lease ran
-// out or whose backoff passed, in offset order, locked for the statement.
-//
-// It walks the group's claims in the primary key from the lowest offset, and that walk also
-// steps over the index entries of every claim deleted since the table was last vacuumed:
-// acked claims leave their entries behind, and autovacuum comes about once a minute. While a
-// large backlog drains that is hundreds of thousands of entries, read on every claim. So the
-// subscriber runs the due step only when a claim may be due (see subscription.wantDue), and
-// otherwise the statement with noDueSQL, which reads no claim at all.
-const dueSQL = `due AS (
-	SELECT "offset" FROM %[3]s
-	WHERE "group_id" = $1 AND "visible_at" <= now()%[5]s
-	ORDER BY "offset" LIMIT $4
-	FOR UPDATE SKIP LOCKED
-)`
-
-// leasedAgainSQL is the step r of the lease mode's claim: the due claims, taken again under
-// the new token and lease, one attempt more (lockedAgainSQL is the advisory mode's).
-const leasedAgainSQL = `r AS (
-	UPDATE %[3]s c SET "token" = $2, "visible_at" = (SELECT clock_timestamp() + $3::float8 * interval '1 millisecond'), "attempts" = c."attempts" + 1
-	FROM due WHERE c."group_id" = $1 AND c."offset" = due."offset"
-	RETURNING c."offset", c."attempts"
-)`
-
-// noDueSQL is the due step that takes nothing, and noneAgainSQL the step r (the due claims
-// taken again) that changes nothing: written as an UPDATE joined to an empty due, the
-// server's generic plan may still scan the group's claims.
-const (
-	noDueSQL     = `due AS (SELECT NULL::bigint AS "offset" WHERE false)`
-	noneAgainSQL = `r AS (SELECT NULL::bigint AS "offset", NULL::integer AS "attempts" WHERE false)`
-)
 
 // nextWaitingSQL finds the first message after the position of group row gr (of the claim
 // statements) that may be delivered, if any. ORDER BY and LIMIT 1 keep it a plain index scan of
@@ -443,35 +344,12 @@ func (s postgres) settle(ctx context.Context, q dbx.Querier, op settleOp, groupI
 	return s.settleSQL(ctx, q, s.ackSQL, groupID, fs)
 }
 
-// deadLetterSQL moves claims of group $1 (offsets $2, tokens $3, fenced as the settlements of
-// pgTopic are) to the messages table of another topic, in one statement: the claim is
-// deleted and a copy of its message, with the topic ($4), the group ($5), its attempts and
-// its offset added to its metadata, is inserted there; both or neither. The metadata keys the
-// subscriber sets on a delivery (attempt, offset: $6, $7) are dropped from the copy: the stored
-// row carries them only if a publisher copied them from an earlier delivery. %[1]s: claims,
-// %[2]s: messages, %[3]s: the dead-letter topic's messages; %[4]s and %[5]s: the
-// asynchronous-commit prefix and condition.
-const deadLetterSQL = `%[4]sk AS (
-	SELECT x.t, a."offset" AS o FROM unnest($2::bigint[], $3::bigint[]) AS a("offset", "token"),
-	LATERAL (SELECT c.ctid AS t FROM %[1]s c
-		WHERE c."group_id" = $1 AND c."offset" = a."offset" AND c."token" = a."token"
-		FOR UPDATE) x
-), d AS (
-	DELETE FROM %[1]s c
-	WHERE c.ctid = ANY (ARRAY(SELECT t FROM k))%[5]s
-	RETURNING c."offset", c."attempts"
-), ins AS (
-	INSERT INTO %[3]s ("uuid", "payload", "metadata")
-	SELECT m."uuid", m."payload", (m."metadata" - $6::text - $7::text) || jsonb_build_object(
-		'` + MetaDeadLetterTopic + `', $4::text, '` + MetaDeadLetterGroup + `', $5::text,
-		'` + MetaDeadLetterAttempts + `', d."attempts"::text, '` + MetaDeadLetterOffset + `', m."offset"::text)
-	FROM d JOIN %[2]s m ON m."offset" = d."offset"
-	ORDER BY m."offset"
-)
-SELECT k.o, EXISTS (SELECT 1 FROM d WHERE d."offset" = k.o) FROM k`
-
+// deadLetter moves claims of the group to the messages table of another topic, in one
+// statement: the claim is settled and a copy of its message, with the topic, the group, its
+// attempts and its offset added to its metadata, is inserted there; both or neither (see
+// settleSQL).
 func (s postgres) deadLetter(ctx context.Context, q dbx.Querier, groupID int32, group string, fs []Fenced, to Tables, dropKeys [2]string) (map[int64]bool, error) {
-	sql := fmt.Sprintf(deadLetterSQL, s.t.Claims, s.t.Messages, to.Messages, s.with, s.cond)
+	sql := settleSQL(s.t, s.with, s.cond, settleDeadLetter, to.Messages)
 	return s.settleSQL(ctx, q, sql, groupID, fs, s.t.Topic, group, dropKeys[0], dropKeys[1])
 }
 
@@ -544,7 +422,7 @@ func (postgres) backendAlive(ctx context.Context, q dbx.Querier, pid uint32) (bo
 	return alive, err
 }
 
-// schemaSQL: tables of schema version 1 are upgraded in place (see upgradableVersion).
+// schemaSQL: tables of schema versions 1 and 2 are upgraded in place (see upgradableVersions).
 func (postgres) schemaSQL(t Tables) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
@@ -569,7 +447,6 @@ END `, quoteLiteral(t.Messages), t.Messages)
 	tag := dollarTag(body)
 	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
 	fmt.Fprintf(&b, "CREATE INDEX IF NOT EXISTS %s ON %s (\"xid\", \"offset\");\n", t.obj("_m_xid"), t.Messages)
-	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS '%s%d';\n", t.Messages, schemaCommentPrefix, SchemaVersion)
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
 	"group_id"       integer     GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME %s),
 	"consumer_group" text        NOT NULL,
@@ -583,15 +460,43 @@ END `, quoteLiteral(t.Messages), t.Messages)
 	// The groups table names the topic, for tools that list topics from the catalog: a
 	// shortened table name no longer spells it out.
 	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS %s;\n", t.Groups, quoteLiteral(topicCommentPrefix+t.Topic))
+	// Claims: one row per claim statement (see postgres_claims.go). Tables of version 2 kept
+	// one row per message: their rows are moved into the new table, a held claim keeping its
+	// token, lease and attempts (the claims of one token and attempt count become one row), a
+	// waiting one getting a row of its own. Their consumers must be stopped first: the
+	// statements of version 2 do not read the new table.
+	old := ident.TableName(t.prefix, t.Topic, "_claims_v2")
+	body = fmt.Sprintf(` BEGIN
+	IF EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = to_regclass(%[1]s) AND attname = 'offset' AND NOT attisdropped) THEN
+		ALTER TABLE %[2]s RENAME TO %[3]s;
+		ALTER TABLE %[4]s RENAME CONSTRAINT %[5]s TO %[6]s;
+	END IF;
+END `, quoteLiteral(t.Claims), t.Claims, ident.Quote(old), ident.Qualified(t.Schema, old), t.obj("_c_pkey"), ident.Quote(ident.TableName(t.prefix, t.Topic, "_claims_v2_pkey")))
+	tag = dollarTag(body)
+	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
 	"group_id"   integer     NOT NULL,
-	"offset"     bigint      NOT NULL,
 	"token"      bigint      NOT NULL,
-	"visible_at" timestamptz NOT NULL,
 	"attempts"   integer     NOT NULL,
-	CONSTRAINT %s PRIMARY KEY ("group_id", "offset")
-) WITH (fillfactor = 70);
+	"visible_at" timestamptz NOT NULL,
+	"offsets"    bigint[]    NOT NULL,
+	CONSTRAINT %s PRIMARY KEY ("group_id", "token", "attempts")
+) WITH (fillfactor = 50);
 `, t.Claims, t.obj("_c_pkey"))
+	body = fmt.Sprintf(` BEGIN
+	IF to_regclass(%[1]s) IS NOT NULL THEN
+		INSERT INTO %[2]s ("group_id", "token", "attempts", "visible_at", "offsets")
+		SELECT "group_id", "token", "attempts", max("visible_at"), array_agg("offset" ORDER BY "offset")
+		FROM %[3]s WHERE "token" <> 0 GROUP BY "group_id", "token", "attempts"
+		UNION ALL
+		SELECT "group_id", %[4]s, "attempts", "visible_at", ARRAY["offset"] FROM %[3]s WHERE "token" = 0;
+		DROP TABLE %[3]s;
+	END IF;
+END `, quoteLiteral(ident.Qualified(t.Schema, old)), t.Claims, ident.Qualified(t.Schema, old), unheldTokenSQL)
+	tag = dollarTag(body)
+	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
+	// The version is written last: a table that carries it has every part of it.
+	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS '%s%d';\n", t.Messages, schemaCommentPrefix, SchemaVersion)
 	return b.String()
 }
 
@@ -665,9 +570,17 @@ func (postgres) messagesSQL(t Tables, take bool) string {
 	return sql + ` WHERE "offset" >= $1 ORDER BY "offset" LIMIT $2`
 }
 
+// deleteMessages takes the offsets out of the claim rows that hold them, deletes the rows it
+// left empty, then the messages.
 func (postgres) deleteMessages(ctx context.Context, t Tables, tx dbx.Querier, offs []int64) (int64, error) {
-	return tx.Exec(ctx, fmt.Sprintf(`WITH c AS (DELETE FROM %s WHERE "offset" = ANY ($1::bigint[]))
-DELETE FROM %s WHERE "offset" = ANY ($1::bigint[])`, t.Claims, t.Messages), offs)
+	if _, err := tx.Exec(ctx, fmt.Sprintf(`UPDATE %s SET "offsets" = ARRAY(SELECT o FROM unnest("offsets") o WHERE o <> ALL ($1::bigint[]))
+WHERE "offsets" && $1::bigint[]`, t.Claims), offs); err != nil {
+		return 0, err
+	}
+	if _, err := tx.Exec(ctx, fmt.Sprintf(`DELETE FROM %s WHERE "offsets" = '{}'`, t.Claims)); err != nil {
+		return 0, err
+	}
+	return tx.Exec(ctx, fmt.Sprintf(`DELETE FROM %s WHERE "offset" = ANY ($1::bigint[])`, t.Messages), offs)
 }
 
 func (postgres) keySchemaSQL(k KeyTable) string {
@@ -754,8 +667,7 @@ func IdleLookSQL(branches []IdleBranch, held []int64) (string, bool) {
 				n = fmt.Sprintf("%d::bigint", held[i])
 			}
 			fmt.Fprintf(&b, `
-	OR (SELECT count(*) FROM (SELECT 1 FROM %[1]s c WHERE c."group_id" = %[2]d AND c."visible_at" = 'infinity'
-		LIMIT %[3]s + 1) h) > %[3]s`, t.Claims, g, n)
+	OR (SELECT coalesce(sum(cardinality(c."offsets")), 0) FROM %[1]s c WHERE c."group_id" = %[2]d AND c."visible_at" = 'infinity') > %[3]s`, t.Claims, g, n)
 		}
 	}
 	return b.String(), adv

@@ -16,7 +16,7 @@ LIMIT $3`
 
 // inspectSQL reads every consumer group of the topic, up to $2, in one statement: each
 // figure is a bounded index scan (the lag and the held-back messages stop at $1 rows, the
-// claims at $1 rows of the group's key range).
+// claims at $1 rows of the group's key range, each a claim statement's unsettled offsets).
 const inspectSQL = `SELECT g."consumer_group", g."last_offset",
 	(SELECT count(*) FROM (SELECT 1 FROM %[1]s m
 		WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset") LIMIT $1) x),
@@ -26,26 +26,28 @@ const inspectSQL = `SELECT g."consumer_group", g."last_offset",
 		WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
 		  AND m."xid" >= pg_snapshot_xmin(pg_current_snapshot()) LIMIT $1) x),
 	coalesce(extract(epoch FROM now() - least(
-		(SELECT m."created_at" FROM %[2]s c JOIN %[1]s m ON m."offset" = c."offset"
-			WHERE c."group_id" = g."group_id" ORDER BY c."offset" LIMIT 1),
+		(SELECT m."created_at" FROM %[1]s m WHERE m."offset" = (SELECT min(x.o) FROM %[2]s c, unnest(c."offsets") x(o)
+			WHERE c."group_id" = g."group_id")),
 		(SELECT m."created_at" FROM %[1]s m
 			WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
 			ORDER BY m."xid", m."offset" LIMIT 1)))::float8, 0),
 	extract(epoch FROM now() - g."updated_at")::float8
 FROM %[3]s g,
 LATERAL (SELECT
-		count(*) FILTER (WHERE c."token" <> 0 AND c."visible_at" > now()) AS in_work,
-		count(*) FILTER (WHERE c."token" = 0 AND c."visible_at" > now()) AS waiting,
-		count(*) FILTER (WHERE c."visible_at" <= now()) AS due
-	FROM (SELECT c."token", c."visible_at" FROM %[2]s c WHERE c."group_id" = g."group_id" LIMIT $1) c) cl
+		coalesce(sum(cardinality(c."offsets")) FILTER (WHERE c."token" > 0 AND c."visible_at" > now()), 0) AS in_work,
+		coalesce(sum(cardinality(c."offsets")) FILTER (WHERE c."token" <= 0 AND c."visible_at" > now()), 0) AS waiting,
+		coalesce(sum(cardinality(c."offsets")) FILTER (WHERE c."visible_at" <= now()), 0) AS due
+	FROM (SELECT c."token", c."visible_at", c."offsets" FROM %[2]s c WHERE c."group_id" = g."group_id" LIMIT $1) c) cl
 ORDER BY g."consumer_group"
 LIMIT $2`
 
-const claimsSQL = `SELECT g."consumer_group", c."offset", c."attempts", c."token",
+// claimsSQL lists claims one line per offset; a claim no one holds (a negative token) reads
+// as token 0.
+const claimsSQL = `SELECT g."consumer_group", x.o, c."attempts", greatest(c."token", 0),
 	c."visible_at" = 'infinity',
 	CASE WHEN c."visible_at" = 'infinity' THEN 0 ELSE extract(epoch FROM c."visible_at" - now())::float8 END
-FROM %[1]s c JOIN %[2]s g ON g."group_id" = c."group_id"
-ORDER BY g."consumer_group", c."offset"
+FROM %[1]s c JOIN %[2]s g ON g."group_id" = c."group_id", unnest(c."offsets") x(o)
+ORDER BY g."consumer_group", x.o
 LIMIT $1`
 
 // resetFindOffsetSQL and resetFindTimeSQL find the first message kept at or after an offset,

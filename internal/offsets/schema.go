@@ -36,8 +36,8 @@ func (e *VersionError) Error() string {
 	if e.Found == sqliteNoDeliverAt {
 		return fmt.Sprintf("topic %q: table %s carries schema version v%d without its deliver_at column (delayed messages), which this library needs: set InitializeSchema: true, which adds the column in place", e.Topic, e.Table, e.Want)
 	}
-	if e.Found == fmt.Sprintf("%s%d", schemaCommentPrefix, upgradableVersion) {
-		return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: set InitializeSchema: true, or run the SQL of sqlbroker.SchemaSQL(%q, ...) in a migration (it upgrades v%d tables in place)", e.Topic, e.Table, e.Found, e.Want, e.Topic, upgradableVersion)
+	if upgradable(e.Found) {
+		return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: stop the consumers of the older library, then set InitializeSchema: true, or run the SQL of sqlbroker.SchemaSQL(%q, ...) in a migration (it upgrades v1 and v2 tables in place)", e.Topic, e.Table, e.Found, e.Want, e.Topic)
 	}
 	return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: migrate the tables or use the matching library version", e.Topic, e.Table, e.Found, e.Want)
 }
@@ -78,7 +78,17 @@ func (t Tables) Check(ctx context.Context, q dbx.Querier) error {
 // isUpgradable reports whether err is a VersionError for tables that SchemaSQL upgrades.
 func isUpgradable(err error) bool {
 	var v *VersionError
-	return errors.As(err, &v) && (v.Found == fmt.Sprintf("%s%d", schemaCommentPrefix, upgradableVersion) || v.Found == sqliteNoDeliverAt)
+	return errors.As(err, &v) && (upgradable(v.Found) || v.Found == sqliteNoDeliverAt)
+}
+
+// upgradable reports whether found is the comment of PostgreSQL tables that SchemaSQL upgrades.
+func upgradable(found string) bool {
+	for _, n := range upgradableVersions {
+		if found == fmt.Sprintf("%s%d", schemaCommentPrefix, n) {
+			return true
+		}
+	}
+	return false
 }
 
 // IsMissing reports whether err is a MissingTableError.

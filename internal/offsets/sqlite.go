@@ -62,7 +62,7 @@ func (sqlite) schemaSQL(t Tables) string {
 	"created_at" INTEGER NOT NULL DEFAULT (%s),
 	"deliver_at" INTEGER
 );
-`, t.Messages, schemaCommentPrefix, SchemaVersion, sqliteNow)
+`, t.Messages, schemaCommentPrefix, SQLiteSchemaVersion, sqliteNow)
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s ( -- %s%s
 	"group_id"       INTEGER PRIMARY KEY AUTOINCREMENT,
 	"consumer_group" TEXT    NOT NULL UNIQUE,
@@ -112,7 +112,7 @@ func (db sqlite) createIn(ctx context.Context, t Tables, tx dbx.Querier) error {
 
 // sqliteNoDeliverAt is the VersionError.Found of a SQLite messages table that carries this
 // schema version without its deliver_at column, which InitializeSchema adds.
-var sqliteNoDeliverAt = fmt.Sprintf("%s%d without deliver_at", schemaCommentPrefix, SchemaVersion)
+var sqliteNoDeliverAt = fmt.Sprintf("%s%d without deliver_at", schemaCommentPrefix, SQLiteSchemaVersion)
 
 // check reads the catalog as SQLite resolves a table name: without regard to (ASCII)
 // case, so that it finds the table CREATE TABLE IF NOT EXISTS would find.
@@ -148,11 +148,11 @@ func (sqlite) check(ctx context.Context, t Tables, q dbx.Querier, missingOK bool
 			}
 			found = after[:end]
 		}
-		if n, err := strconv.Atoi(found); err != nil || n != SchemaVersion {
-			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: schemaCommentPrefix + found, Want: SchemaVersion}
+		if n, err := strconv.Atoi(found); err != nil || n != SQLiteSchemaVersion {
+			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: schemaCommentPrefix + found, Want: SQLiteSchemaVersion}
 		}
 		if deliverAt == 0 {
-			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: sqliteNoDeliverAt, Want: SchemaVersion}
+			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: sqliteNoDeliverAt, Want: SQLiteSchemaVersion}
 		}
 	}
 	return nil

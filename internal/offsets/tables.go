@@ -25,16 +25,25 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 )
 
-// SchemaVersion is written into the messages table's comment and checked on start.
+// SchemaVersion is the version of PostgreSQL's tables, written into the messages table's
+// comment and checked on start.
 //
-// Version 2 added the messages table's deliver_at column (delayed messages). SchemaSQL
-// upgrades tables of version 1 in place (see upgradableVersion).
-const SchemaVersion = 2
+// Version 2 added the messages table's deliver_at column (delayed messages); version 3 made
+// the claims table one row per claim statement instead of one per message. SchemaSQL
+// upgrades tables of versions 1 and 2 in place (see upgradableVersions).
+const SchemaVersion = 3
 
-// upgradableVersion is the older schema version whose tables SchemaSQL upgrades: adding a
-// nullable column without a default changes only the catalog, under a lock held for an
-// instant, and leaves every row as it is (NULL: not delayed).
-const upgradableVersion = 1
+// SQLiteSchemaVersion is the version of SQLite's tables, written into the messages table's
+// CREATE TABLE text. SQLite keeps one claim row per message: its single writer has no
+// snapshot that would keep the versions of deleted rows alive.
+const SQLiteSchemaVersion = 2
+
+// upgradableVersions are the older schema versions of PostgreSQL's tables that SchemaSQL
+// upgrades: version 1 lacks deliver_at (adding a nullable column without a default changes
+// only the catalog, under a lock held for an instant, and leaves every row as it is: NULL,
+// not delayed); versions 1 and 2 keep a claim row per message, which are moved into rows per
+// claim.
+var upgradableVersions = []int{1, 2}
 
 // schemaComment is the comment the messages table carries; the version is the last field.
 const schemaCommentPrefix = "sqlbroker schema v"

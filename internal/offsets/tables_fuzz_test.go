@@ -75,18 +75,25 @@ func FuzzNewTables(f *testing.F) {
 		if strings.Count(sql, `"`)%2 != 0 {
 			t.Fatalf("topic %q: unbalanced quotes in the schema SQL", topic)
 		}
-		// The DO block's dollar quote ends where it should: its tag occurs twice, and the
-		// body between holds the table name whole.
-		_, rest, ok := strings.Cut(sql, "DO ")
-		if !ok {
+		// Each DO block's dollar quote ends where it should: its tag occurs twice in the block,
+		// and the first block's body holds the messages table's name whole.
+		blocks := strings.Split(sql, "DO ")[1:]
+		if len(blocks) == 0 {
 			t.Fatalf("topic %q: no DO block in the schema SQL", topic)
 		}
-		tag := rest[:strings.Index(rest[1:], "$")+2]
-		if n := strings.Count(sql, tag); n != 2 {
-			t.Fatalf("topic %q: the dollar-quote tag %s occurs %d times", topic, tag, n)
-		}
-		if body := rest[len(tag):strings.LastIndex(rest, tag)]; !strings.Contains(body, tb.Messages) {
-			t.Fatalf("topic %q: the DO body does not hold %s whole", topic, tb.Messages)
+		for i, rest := range blocks {
+			tag := rest[:strings.Index(rest[1:], "$")+2]
+			if n := strings.Count(rest, tag); n != 2 {
+				t.Fatalf("topic %q: the dollar-quote tag %s occurs %d times in DO block %d", topic, tag, n, i)
+			}
+			if !strings.HasSuffix(strings.TrimSpace(rest[strings.LastIndex(rest, tag):]), ";") && !strings.Contains(rest[strings.LastIndex(rest, tag):], ";\n") {
+				t.Fatalf("topic %q: DO block %d does not end at its closing tag", topic, i)
+			}
+			if i == 0 {
+				if body := rest[len(tag):strings.LastIndex(rest, tag)]; !strings.Contains(body, tb.Messages) {
+					t.Fatalf("topic %q: the DO body does not hold %s whole", topic, tb.Messages)
+				}
+			}
 		}
 		if lite := tb.OnSQLite().SchemaSQL(); strings.Count(lite, `"`)%2 != 0 {
 			t.Fatalf("topic %q: unbalanced quotes in the SQLite schema SQL", topic)

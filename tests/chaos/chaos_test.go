@@ -249,8 +249,8 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 				t.Log(tail(p.logPath, 25))
 			}
 		}
-		rows, err := db.Query(context.Background(), `SELECT m."offset", coalesce((SELECT string_agg(format('group %s offset %s token %s visible_at %s attempts %s', c.*), '; ')
-			FROM `+tables.Claims+` c WHERE c."offset" = m."offset"), 'no claim') FROM `+tables.Messages+` m
+		rows, err := db.Query(context.Background(), `SELECT m."offset", coalesce((SELECT string_agg(format('group %s token %s attempts %s visible_at %s', c."group_id", c."token", c."attempts", c."visible_at"), '; ')
+			FROM `+tables.Claims+` c WHERE c."offsets" @> ARRAY[m."offset"]), 'no claim') FROM `+tables.Messages+` m
 			WHERE NOT EXISTS (SELECT 1 FROM `+results+` r WHERE r.uuid = m.uuid AND r.kind = 'done') ORDER BY 1 LIMIT 20`)
 		if err == nil {
 			for rows.Next() {
@@ -525,7 +525,7 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	tot.stored = stored()
 	tot.deliveredUnique = queryInt(t, "SELECT count(DISTINCT r.uuid) FROM "+results+" r JOIN "+tables.Messages+" m USING (uuid) WHERE r.kind = 'done'")
 	tot.lost = queryInt(t, "SELECT count(*) FROM "+tables.Messages+" m WHERE NOT EXISTS (SELECT 1 FROM "+results+" r WHERE r.uuid = m.uuid AND r.kind = 'done')")
-	tot.claimsLeft = queryInt(t, "SELECT count(*) FROM "+tables.Claims)
+	tot.claimsLeft = queryInt(t, "SELECT coalesce(sum(cardinality(offsets)), 0) FROM "+tables.Claims)
 	faults, events := hist.snapshot()
 	chk := &checker{faults: faults, events: events, lease: func(proc string) (time.Duration, time.Duration, bool) {
 		if strings.HasPrefix(proc, "r") {

@@ -1,0 +1,292 @@
+package offsets
+
+// PostgreSQL's claims: one row per claim statement, not per message.
+//
+// A row of the claims table holds the offsets that one claim statement took for a group and
+// that are not yet settled ("offsets", an array in offset order), with what they share: the
+// token they were claimed under, their attempt count and their lease deadline (visible_at).
+// Its key is (group_id, token, attempts). Settling takes offsets out of their row (the row is
+// deleted with its last offset); a nack or a release moves them into a row of their own, with
+// no holder (a negative token, unique within the group) and the time they come due again. So
+// every row version a statement writes carries many messages, and the dead versions a held
+// snapshot keeps alive grow with the number of claim and settlement statements, not with the
+// number of messages: at a batch of 100, about two versions per hundred messages instead of
+// two per message.
+//
+// Fencing (L3) works on the row: a settlement finds the rows by their token through the
+// primary key and changes only offsets still in the row of the token given. Taking a claim
+// again gives it a new token, in a new row, so its former holder's token finds nothing.
+
+import "fmt"
+
+// unheldTokenSQL makes the token of a row no one holds: negative, so that it never matches a
+// holder's token (those are positive), and random, so that rows made by concurrent statements
+// have distinct keys without a shared sequence (which would need one more privilege).
+const unheldTokenSQL = `(-1 - floor(random() * 4611686018427387903))::bigint`
+
+// mergeOffsetsSQL is the ON CONFLICT step of the inserts of held rows: a claim and a takeover
+// of one round of the advisory mode may write the same token and attempt count.
+const mergeOffsetsSQL = `ON CONFLICT ("group_id", "token", "attempts") DO UPDATE
+	SET "offsets" = ARRAY(SELECT o FROM unnest(c."offsets" || excluded."offsets") o ORDER BY o),
+		"visible_at" = excluded."visible_at"`
+
+// claimSQL builds the claim statements. One round trip claims up to $4 messages for group $1
+// under token $2 (parameters: lease mode $3 the lease in ms, $5 the delayed messages it may
+// pass; advisory mode $3 the lock key1, $5 the offsets whose locks the session holds already,
+// $6 the delayed messages it may pass):
+//   - d0, d1, due (only with due): rows of the group that are due again (their lease ran out,
+//     or they were nacked or released and their backoff passed), lowest offsets first; SKIP
+//     LOCKED leaves those another claimer is taking. due is one line per offset, up to $4 in
+//     all: the last row it reaches may be taken in part.
+//   - g: if that left room and a message is waiting, the group row, locked (it serialises the
+//     group's claimers for a few milliseconds; an empty poll locks nothing, so it writes
+//     nothing and takes no transaction id).
+//   - m0, m: the next messages after the group's position that were written by transactions
+//     older than every running one (M2); see newMessagesSQL.
+//   - advisory mode only: cand, lk, the locks tried (see claimLockedSQL's comment in
+//     advisory.go).
+//   - mv, rdel, rupd: the due offsets taken (in the advisory mode, those whose lock was taken)
+//     leave their rows: a row left empty is deleted, the others keep the rest.
+//   - r: those offsets, one attempt more; ins: one row holding them and the new messages
+//     claimed, under the token, with the lease (the advisory mode: 'infinity'), one per attempt
+//     count; a row per delayed message, due at its time with no holder (attempt 0); in the
+//     advisory mode, one row due at once for the new messages whose lock was not taken.
+//   - upd and the final SELECT: see claimTailSQL.
+//
+// No parameter is used in an expression evaluated per row: the lease deadline is computed
+// once, in a subquery. The server keeps a generic plan of a prepared statement only if it
+// does not look dearer than the custom plans made with the parameters' values
+// (TestClaimsKeepGenericPlans).
+//
+// with and cond are the asynchronous-commit prefix and condition of pgTopic.
+func claimSQL(t Tables, with, cond string, due, locked bool) string {
+	limit, pass := "$4", "$5"
+	held := `(SELECT clock_timestamp() + $3::float8 * interval '1 millisecond')`
+	taken := `due`
+	newHeld := `m WHERE m."later" IS NULL`
+	if locked {
+		pass = "$6"
+		held = `'infinity'::timestamptz`
+		taken = `due, lk WHERE due."offset" = ANY (lk.os)`
+		newHeld = `m, lk WHERE m."offset" = ANY (lk.os)`
+	}
+	var b []byte
+	b = fmt.Appendf(b, "%s", with)
+	if due {
+		b = fmt.Appendf(b, `d0 AS (
+	SELECT c."token", c."attempts", c."offsets" FROM %[1]s c
+	WHERE c."group_id" = $1 AND c."visible_at" <= now()%[2]s
+	ORDER BY c."offsets"[1] LIMIT %[3]s
+	FOR UPDATE SKIP LOCKED
+), d1 AS (
+	SELECT d0.*, sum(cardinality(d0."offsets")) OVER (ORDER BY d0."offsets"[1] ROWS UNBOUNDED PRECEDING) AS upto FROM d0
+), due AS (
+	SELECT x.o AS "offset", d1."token", d1."attempts" FROM d1,
+	unnest(d1."offsets"[1 : least(cardinality(d1."offsets"), %[3]s - (d1.upto - cardinality(d1."offsets")))::int]) x(o)
+)`, t.Claims, cond, limit)
+	} else {
+		b = append(b, `due AS (SELECT NULL::bigint AS "offset", NULL::bigint AS "token", NULL::integer AS "attempts" WHERE false)`...)
+	}
+	b = fmt.Appendf(b, `, g AS (
+	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
+	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4%[3]s
+	  AND (`+nextWaitingSQL+`) IS NOT NULL
+	FOR UPDATE
+), `, t.Groups, t.Messages, cond)
+	mat := ""
+	if locked {
+		mat = "MATERIALIZED "
+	}
+	b = fmt.Appendf(b, newMessagesSQL(mat, pass), "", t.Messages)
+	if locked {
+		b = append(b, `, cand AS MATERIALIZED (
+	SELECT c.o FROM (
+		SELECT "offset" AS o FROM due
+		UNION ALL
+		SELECT "offset" FROM m WHERE m."later" IS NULL
+	) c
+	WHERE c.o <> ALL ((SELECT $5::bigint[])::bigint[])
+), lk AS MATERIALIZED (
+	SELECT coalesce(array_agg(o), '{}') AS os FROM cand
+	WHERE pg_try_advisory_lock($3::int4, (o::bit(32))::int4)
+)`...)
+	}
+	b = fmt.Appendf(b, `, r AS (
+	SELECT due."offset", due."token", due."attempts" + 1 AS "attempts" FROM %s
+)`, taken)
+	if due {
+		b = fmt.Appendf(b, `, mv AS (
+	SELECT r."token", r."attempts" - 1 AS "attempts", array_agg(r."offset") AS gone FROM r GROUP BY r."token", r."attempts"
+), rdel AS (
+	DELETE FROM %[1]s c USING mv, d1
+	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
+	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") = cardinality(mv.gone)
+), rupd AS (
+	UPDATE %[1]s c SET "offsets" = ARRAY(SELECT o FROM unnest(d1."offsets") o WHERE o <> ALL (mv.gone))
+	FROM mv, d1
+	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
+	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") > cardinality(mv.gone)
+)`, t.Claims)
+	}
+	b = fmt.Appendf(b, `, ins AS (
+	INSERT INTO %[1]s AS c ("group_id", "token", "attempts", "visible_at", "offsets")
+	SELECT $1, $2::bigint, a.att, %[2]s, array_agg(a.o ORDER BY a.o) FROM (
+		SELECT r."offset" AS o, r."attempts" AS att FROM r
+		UNION ALL
+		SELECT m."offset", 1 FROM %[3]s
+	) a GROUP BY a.att
+	UNION ALL
+	SELECT $1, %[4]s, 0, m."later", ARRAY[m."offset"] FROM m WHERE m."later" IS NOT NULL`,
+		t.Claims, held, newHeld, unheldTokenSQL)
+	if locked {
+		b = fmt.Appendf(b, `
+	UNION ALL
+	SELECT $1, %s, 0, now(), array_agg(m."offset" ORDER BY m."offset") FROM m, lk
+	WHERE m."later" IS NULL AND m."offset" <> ALL (lk.os) HAVING count(*) > 0`, unheldTokenSQL)
+	}
+	b = append(b, "\n\t"+mergeOffsetsSQL+"\n)"...)
+	b = fmt.Appendf(b, claimTailSQL(newHeld), t.Groups, t.Messages)
+	return string(b)
+}
+
+// settleSQL builds the settlement statements of op: ack, nack, release and extend take group
+// $1, offsets $2 and tokens $3 (pairs), and nack and extend the backoff or the lease in ms as
+// $4. Dead-lettering is an ack that also copies the messages to another topic ($4 its name,
+// $5 the group's, $6 and $7 the metadata keys dropped from the copy; to is its messages table).
+//   - a: the pairs; k: for each token given, the group's rows of that token, found by their
+//     own probe of the primary key (the LATERAL subquery, which FOR UPDATE keeps from being
+//     flattened into a join, so that no plan reads more of the index than the keys given) and
+//     locked in their newest version, whose offsets are checked (L3).
+//   - hit: per row, the offsets of the pairs that are still in it (gone), and whether they are
+//     all of them (whole).
+//   - del, upd: the rows changed by row address: ack, nack, release and dead-lettering take
+//     the offsets out (a row left empty is deleted); extend moves the lease. A row that a
+//     concurrent statement (an extension, another settlement of the same claim) changed after
+//     this statement's snapshot was taken is locked by k in its newer version, which del and
+//     upd cannot see: its offsets are returned as fenced but not applied, and settle runs the
+//     statement again for them (L3: a refusal means only that the claim is no longer the
+//     delivery's).
+//   - done: the offsets applied, with their attempt count; nack and release write them into
+//     a row of their own with no holder, due after the backoff (release: at once, the attempt
+//     they were counted as taken back).
+//
+// It returns one line (offset, applied) per pair whose token and offset matched a row.
+func settleSQL(t Tables, with, cond string, op settleOp, to string) string {
+	var b []byte
+	// The statement starts by naming its work, which pg_stat_activity shows within the first
+	// kilobyte of its text (track_activity_query_size), where the rest would be cut.
+	b = fmt.Appendf(b, "/* sqlbroker %s */ ", settleNames[op])
+	b = fmt.Appendf(b, `%[2]sa AS (
+	SELECT a.o, a.t FROM unnest($2::bigint[], $3::bigint[]) AS a(o, t)
+), k AS (
+	SELECT x.* FROM (SELECT DISTINCT a.t FROM a) tt,
+	LATERAL (SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM %[1]s c
+		WHERE c."group_id" = $1 AND c."token" = tt.t
+		FOR UPDATE) x
+), hit AS (
+	SELECT k.r, k."token", k."attempts", array_agg(DISTINCT a.o) AS gone,
+		count(DISTINCT a.o) = cardinality(k."offsets") AS whole
+	FROM k JOIN a ON a.t = k."token" AND a.o = ANY (k."offsets")
+	GROUP BY k.r, k."token", k."attempts", k."offsets"
+)`, t.Claims, with)
+	if op == settleExtend {
+		b = fmt.Appendf(b, `, ch AS (
+	UPDATE %[1]s c SET "visible_at" = clock_timestamp() + $4::float8 * interval '1 millisecond'
+	WHERE c.ctid = ANY (ARRAY(SELECT r FROM hit))%[2]s
+	RETURNING c."token", c."attempts"
+)`, t.Claims, cond)
+	} else {
+		b = fmt.Appendf(b, `, del AS (
+	DELETE FROM %[1]s c
+	WHERE c.ctid = ANY (ARRAY(SELECT r FROM hit WHERE whole))%[2]s
+	RETURNING c."token", c."attempts"
+), upd AS (
+	UPDATE %[1]s c SET "offsets" = ARRAY(SELECT o FROM unnest(c."offsets") o
+		WHERE o <> ALL (ARRAY(SELECT a.o FROM a WHERE a.t = c."token")))
+	WHERE c.ctid = ANY (ARRAY(SELECT r FROM hit WHERE NOT whole))%[2]s
+	RETURNING c."token", c."attempts"
+), ch AS (
+	SELECT * FROM del UNION ALL SELECT * FROM upd
+)`, t.Claims, cond)
+	}
+	b = append(b, `, done AS (
+	SELECT x.o, h."attempts" FROM hit h JOIN ch ON ch."token" = h."token" AND ch."attempts" = h."attempts",
+	unnest(h.gone) x(o)
+)`...)
+	switch op {
+	case settleNack, settleRelease:
+		att, at := `done."attempts"`, `now() + $4::float8 * interval '1 millisecond'`
+		if op == settleRelease {
+			att, at = `greatest(done."attempts" - 1, 0)`, `now()`
+		}
+		b = fmt.Appendf(b, `, ins AS (
+	INSERT INTO %[1]s ("group_id", "token", "attempts", "visible_at", "offsets")
+	SELECT $1, %[2]s, %[3]s, %[4]s, array_agg(done.o ORDER BY done.o) FROM done GROUP BY %[3]s
+)`, t.Claims, unheldTokenSQL, att, at)
+	case settleDeadLetter:
+		// The metadata keys the subscriber sets on a delivery (attempt, offset: $6, $7) are
+		// dropped from the copy: the stored row carries them only if a publisher copied them
+		// from an earlier delivery.
+		b = fmt.Appendf(b, `, ins AS (
+	INSERT INTO %[1]s ("uuid", "payload", "metadata")
+	SELECT m."uuid", m."payload", (m."metadata" - $6::text - $7::text) || jsonb_build_object(
+		'`+MetaDeadLetterTopic+`', $4::text, '`+MetaDeadLetterGroup+`', $5::text,
+		'`+MetaDeadLetterAttempts+`', done."attempts"::text, '`+MetaDeadLetterOffset+`', m."offset"::text)
+	FROM done JOIN %[2]s m ON m."offset" = done.o
+	ORDER BY m."offset"
+)`, to, t.Messages)
+	}
+	b = append(b, `
+SELECT x.o, EXISTS (SELECT 1 FROM done WHERE done.o = x.o) FROM hit, unnest(hit.gone) x(o)`...)
+	return string(b)
+}
+
+// settleNames name the settlements in their statements' text.
+var settleNames = map[settleOp]string{settleAck: "ack", settleNack: "nack", settleRelease: "release", settleExtend: "extend", settleDeadLetter: "dead letter"}
+
+// heldSQL lists the offsets of group $1 held by a lock (rows with visible_at 'infinity')
+// after offset $2, in offset order, leaving out the offsets in $3 (the caller's own
+// deliveries), up to $4. The caller tries the locks of exactly these offsets (never
+// pg_try_advisory_lock under a LIMIT, A4): a lock it can take belongs to a claim whose
+// consumer is gone. It reads the group's held rows, as many as claim statements in work, and
+// pages through their offsets from where the previous page ended, so every claim is looked at
+// however many live ones come first. (Reading pg_locks instead costs a copy of the server's
+// whole lock table per call: tens of milliseconds with a few thousand locks held.)
+const heldSQL = `SELECT x.o FROM %s c, unnest(c."offsets") x(o)
+WHERE c."group_id" = $1 AND c."visible_at" = 'infinity' AND x.o > $2
+  AND x.o <> ALL ($3::bigint[])
+ORDER BY x.o
+LIMIT $4`
+
+// adoptSQL takes over orphaned claims whose locks the caller now holds ($3), under its token
+// ($2), one attempt more: their offsets leave their rows for a held row of the caller's. It
+// runs after the locks were taken, so its snapshot sees every settlement that committed before
+// the previous holder let go: a claim that was acked meanwhile is in no row, one that was
+// nacked or released is in a row that is no longer 'infinity', and neither is returned (A4).
+const adoptSQL = `WITH k AS (
+	SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM %[1]s c
+	WHERE c."group_id" = $1 AND c."visible_at" = 'infinity' AND c."offsets" && $3::bigint[]
+	FOR UPDATE
+), hit AS (
+	SELECT k.r, k."token", k."attempts", g.gone, cardinality(g.gone) = cardinality(k."offsets") AS whole
+	FROM k, LATERAL (SELECT array_agg(o ORDER BY o) AS gone FROM unnest(k."offsets") o WHERE o = ANY ($3::bigint[])) g
+	WHERE g.gone IS NOT NULL
+), del AS (
+	DELETE FROM %[1]s c WHERE c.ctid = ANY (ARRAY(SELECT r FROM hit WHERE whole))
+	RETURNING c."token", c."attempts"
+), upd AS (
+	UPDATE %[1]s c SET "offsets" = ARRAY(SELECT o FROM unnest(c."offsets") o WHERE o <> ALL ($3::bigint[]))
+	WHERE c.ctid = ANY (ARRAY(SELECT r FROM hit WHERE NOT whole))
+	RETURNING c."token", c."attempts"
+), done AS (
+	SELECT x.o, h."attempts" + 1 AS "attempts" FROM hit h
+	JOIN (SELECT * FROM del UNION ALL SELECT * FROM upd) ch ON ch."token" = h."token" AND ch."attempts" = h."attempts",
+	unnest(h.gone) x(o)
+), ins AS (
+	INSERT INTO %[1]s AS c ("group_id", "token", "attempts", "visible_at", "offsets")
+	SELECT $1, $2::bigint, done."attempts", 'infinity', array_agg(done.o ORDER BY done.o) FROM done GROUP BY done."attempts"
+	` + mergeOffsetsSQL + `
+)
+SELECT m."offset", m."uuid", m."payload", m."metadata"::text, done."attempts", 0, 0::float8
+FROM done JOIN %[2]s m ON m."offset" = done.o
+ORDER BY m."offset"`
