@@ -657,6 +657,7 @@ type IdleBranch struct {
 	Tables  *Tables
 	GroupID int32
 	Locks   bool // the advisory mode: claims held by locks are counted against $1
+	Ordered bool // ordered by key: parked messages are work, one may be free to go
 }
 
 // IdleLookSQL is PostgreSQL's statement of the shared poll of idle subscriptions: one branch
@@ -685,6 +686,10 @@ func IdleLookSQL(branches []IdleBranch, held []int64) (string, bool) {
 		WHERE (nx."xid", nx."offset") > ((SELECT "last_xid" FROM %[4]s WHERE "group_id" = %[5]d), (SELECT "last_offset" FROM %[4]s WHERE "group_id" = %[5]d))
 		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot())
 		ORDER BY nx."xid", nx."offset" LIMIT 1) IS NOT NULL`, i, t.Claims, t.Messages, t.Groups, g)
+		if br.Ordered {
+			fmt.Fprintf(&b, `
+	OR (SELECT 1 FROM %[1]s c WHERE c."group_id" = %[2]d AND c."order_key" IS NOT NULL LIMIT 1) IS NOT NULL`, t.Claims, g)
+		}
 		if br.Locks {
 			adv = true
 			n := fmt.Sprintf("($1::bigint[])[%d]", i+1)
