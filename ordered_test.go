@@ -157,3 +157,59 @@ func slicesChunk[T any](s []T, n int) func(func([]T) bool) {
 		}
 	}
 }
+
+// OrderByKey where it cannot hold is refused with a ConfigError naming the field: in the
+// advisory-lock mode, and on SQLite.
+func TestOrderByKey_refusedWhereItCannotHold(t *testing.T) {
+	t.Parallel()
+	_, err := sqlbroker.NewSubscriber(pgxDB(t), sqlbroker.SubscriberConfig{OrderByKey: true, ClaimMode: sqlbroker.ClaimAdvisoryLock}, nil)
+	var cerr *sqlbroker.ConfigError
+	require.ErrorAs(t, err, &cerr)
+	assert.Equal(t, "OrderByKey", cerr.Field)
+	assert.Contains(t, err.Error(), "lease mode")
+
+	sub, err := sqlbroker.NewSubscriber(sqlbroker.SQLite(testdb.SQLite(t)), sqlbroker.SubscriberConfig{OrderByKey: true, InitializeSchema: true}, nil)
+	if err == nil {
+		defer sub.Close()
+		_, err = sub.Subscribe(context.Background(), "t")
+	}
+	require.ErrorAs(t, err, &cerr)
+	assert.Equal(t, "OrderByKey", cerr.Field)
+	assert.Contains(t, err.Error(), "SQLite")
+}
+
+// A key computed by PublisherConfig.OrderKey is stored with the message, and an error of
+// OrderKey fails the publish naming the message; a key already in the metadata is kept.
+func TestPublisher_orderKeyStoredWithTheMessage(t *testing.T) {
+	t.Parallel()
+	topic := testdb.Topic(t, "")
+	pub, err := sqlbroker.NewPublisher(pgxDB(t), sqlbroker.PublisherConfig{InitializeSchema: true,
+		OrderKey: func(_ string, m *message.Message) (string, error) {
+			if string(m.Payload) == "bad" {
+				return "", fmt.Errorf("no key for this one")
+			}
+			return "computed", nil
+		}}, nil)
+	require.NoError(t, err)
+	defer pub.Close()
+	given := message.NewMessage(watermill.NewUUID(), []byte("given"))
+	given.Metadata.Set(sqlbroker.MetadataOrderKey, "mine")
+	require.NoError(t, pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("x")), given))
+	bad := message.NewMessage(watermill.NewUUID(), []byte("bad"))
+	err = pub.Publish(topic, bad)
+	var perr *sqlbroker.PublishError
+	require.ErrorAs(t, err, &perr)
+	assert.Equal(t, bad.UUID, perr.UUID)
+	assert.Contains(t, err.Error(), "no key for this one")
+
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{OrderByKey: true})
+	msgs, err := sub.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	keys := map[string]string{}
+	for range 2 {
+		m := receive(t, msgs, 10*time.Second)
+		keys[string(m.Payload)] = m.Metadata.Get(sqlbroker.MetadataOrderKey)
+		m.Ack()
+	}
+	assert.Equal(t, map[string]string{"x": "computed", "given": "mine"}, keys)
+}
