@@ -213,3 +213,42 @@ func TestPublisher_orderKeyStoredWithTheMessage(t *testing.T) {
 	}
 	assert.Equal(t, map[string]string{"x": "computed", "given": "mine"}, keys)
 }
+
+// Messages parked behind their key are counted by Inspect (and so by the command and the
+// collector), apart from the nacked ones.
+func TestOrderByKey_inspectCountsParked(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	var ms []*message.Message
+	for i := range 3 {
+		m := message.NewMessage(watermill.NewUUID(), []byte(strconv.Itoa(i)))
+		m.Metadata.Set(sqlbroker.MetadataOrderKey, "A")
+		ms = append(ms, m)
+	}
+	require.NoError(t, pub.Publish(topic, ms...))
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{OrderByKey: true})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	first := receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "0", string(first.Payload))
+	noMessage(t, msgs, 300*time.Millisecond)
+
+	a, err := sqlbroker.NewAdmin(pgxDB(t), sqlbroker.AdminConfig{})
+	require.NoError(t, err)
+	ins, err := a.Inspect(ctx, sqlbroker.InspectOptions{Topics: []string{topic}})
+	require.NoError(t, err)
+	require.Len(t, ins.Topics, 1)
+	require.Len(t, ins.Topics[0].Groups, 1)
+	g := ins.Topics[0].Groups[0]
+	assert.Equal(t, int64(2), g.Parked)
+	assert.Equal(t, int64(1), g.InWork)
+	assert.Equal(t, int64(0), g.Waiting)
+
+	first.Ack()
+	second := receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "1", string(second.Payload))
+	second.Ack()
+	assert.Equal(t, "2", string(receive(t, msgs, 10*time.Second).Payload))
+}
