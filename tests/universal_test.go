@@ -158,15 +158,20 @@ func TestUniversal_LeaseOrdered(t *testing.T) {
 	})
 }
 
-// TestUniversal_LeaseKeyed runs the suite with the subscribers ordered by key and each
-// message's key its payload: order per key holds with many messages in flight and many
-// subscribers, as Kafka's does per partition key (GuaranteedOrder). Both drivers: the
+// TestUniversal_LeaseKeyed runs the suite with the subscribers ordered by key and, where a
+// message's payload is the suite's "type" of TestPublishSubscribeInOrder, that type as its
+// key. The whole suite runs without GuaranteedOrder, which Watermill's TestNoAck reads as one
+// order for the whole topic; then TestPublishSubscribeInOrder runs with it: order per key
+// with many messages in flight, as Kafka keeps it per partition key. Both drivers: the
 // ordered claim runs in a transaction, which each driver begins its own way.
 func TestUniversal_LeaseKeyed(t *testing.T) {
 	for _, d := range drivers {
 		t.Run(d.name, func(t *testing.T) {
 			pubSub, groupPubSub := constructorsKeyed(d, sqlbroker.ClaimLease, false, true)
-			tests.TestPubSub(t, universalFeatures(true), pubSub, groupPubSub)
+			tests.TestPubSub(t, universalFeatures(false), pubSub, groupPubSub)
+			t.Run("TestPublishSubscribeInOrderPerKey", func(t *testing.T) {
+				tests.TestPublishSubscribeInOrder(t, tests.TestContext{TestID: tests.NewTestID(), Features: universalFeatures(true)}, pubSub)
+			})
 		})
 	}
 }
