@@ -3,6 +3,9 @@ package main
 import (
 	"database/sql"
 	"encoding/json"
+	"io/fs"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -222,4 +225,15 @@ func TestCommand_unknownSchemeNamesSQLite(t *testing.T) {
 	assert.Contains(t, stderr, "sqlite:")
 	assert.Contains(t, stderr, "unknown scheme")
 	assert.NotContains(t, stderr, "hunter2")
+}
+
+// A sqlite: URL naming a file that does not exist says so, and creates nothing.
+func TestCommand_sqliteMissingFileSaysSo(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "nosuch.db")
+	code, _, stderr := sqlbrokerCmd(t, nil, "inspect", "-url", "sqlite:"+path)
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "no such file")
+	assert.Contains(t, stderr, "mode=rwc")
+	_, err := os.Stat(path)
+	assert.ErrorIs(t, err, fs.ErrNotExist, "the command created the file")
 }

@@ -681,11 +681,12 @@ func IdleLookSQL(branches []IdleBranch, held []int64) (string, bool) {
 			continue
 		}
 		t, g := br.Tables, br.GroupID
-		fmt.Fprintf(&b, `SELECT %[1]d::bigint WHERE (SELECT 1 FROM %[2]s c WHERE c."group_id" = %[5]d AND c."visible_at" <= now() LIMIT 1) IS NOT NULL
-	OR (SELECT nx."offset" FROM %[3]s nx
-		WHERE (nx."xid", nx."offset") > ((SELECT "last_xid" FROM %[4]s WHERE "group_id" = %[5]d), (SELECT "last_offset" FROM %[4]s WHERE "group_id" = %[5]d))
-		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot())
-		ORDER BY nx."xid", nx."offset" LIMIT 1) IS NOT NULL`, i, t.Claims, t.Messages, t.Groups, g)
+		// The next message waiting is found by the claim's own step (nextWaitingSQL), from
+		// the group's row; the names are put in by replacement, not as a format, since a
+		// topic may hold a %.
+		next := strings.ReplaceAll(nextWaitingSQL, "%[2]s", t.Messages)
+		fmt.Fprintf(&b, `SELECT %d::bigint WHERE (SELECT 1 FROM %s c WHERE c."group_id" = %d AND c."visible_at" <= now() LIMIT 1) IS NOT NULL
+	OR (SELECT (%s) FROM %s gr WHERE gr."group_id" = %d) IS NOT NULL`, i, t.Claims, g, next, t.Groups, g)
 		if br.Ordered {
 			fmt.Fprintf(&b, `
 	OR (SELECT 1 FROM %[1]s c WHERE c."group_id" = %[2]d AND c."order_key" IS NOT NULL LIMIT 1) IS NOT NULL`, t.Claims, g)
