@@ -208,3 +208,57 @@ func TestAckInTx_commitSettlesRollbackRedelivers(t *testing.T) {
 		})
 	}
 }
+
+// A lease extension of a message that AckInTx acks meanwhile: the extension was sent before
+// AckInTx marked the delivery, and waits on the claim's row for the caller's transaction;
+// once that commits, the acked message is gone from the row. The extension must not take that
+// for a lost lease: no lease is counted lost, the message's context is not cancelled (a
+// handler's commit under that context may fail after it was applied), and the other message
+// of the row keeps its lease. The test's transaction locks the row before the extension comes,
+// so that the extension waits with the acked message in it, as it does when it reaches the
+// row just after AckInTx's statement.
+func TestAckInTx_L4_extensionBehindItsTransactionLosesNoLease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pool := testdb.Pgx(t)
+	claims := tables(topic).Claims
+	pub := newPublisher(t, pgxDB(t))
+	publish(t, pub, topic, "a", "b")
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{MaxInFlight: 2, BatchSize: 2, LeaseTTL: 10 * time.Second, LeaseRenewInterval: time.Second})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	a, b := receive(t, msgs, 10*time.Second), receive(t, msgs, 10*time.Second)
+	require.Equal(t, 1, queryInt(t, "SELECT count(*) FROM "+claims+" WHERE cardinality(offsets) = 2"), "both messages in one claim row")
+	visibleAt := func() (at time.Time) {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT "visible_at" FROM `+claims).Scan(&at))
+		return at
+	}
+
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	var pid int
+	require.NoError(t, tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	_, err = tx.Exec(ctx, "SELECT 1 FROM "+claims+" FOR UPDATE")
+	require.NoError(t, err)
+	before := visibleAt()
+	testdb.Eventually(t, 10*time.Second, "an extension waiting for the transaction", func() bool {
+		return queryInt(t, "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))", pid) > 0
+	})
+	require.NoError(t, sqlbroker.AckInTx(ctx, sqlbroker.PgxTx(tx), a))
+	require.NoError(t, tx.Commit(ctx))
+	// The waiting extension writes the row once the transaction is gone; the next one comes a
+	// LeaseRenewInterval later, after the extender has dealt with the first one's outcome.
+	var first time.Time
+	testdb.Eventually(t, 10*time.Second, "the waiting extension applied", func() bool { first = visibleAt(); return first.After(before) })
+	testdb.Eventually(t, 10*time.Second, "the next extension applied", func() bool { return visibleAt().After(first) })
+
+	assert.Zero(t, sub.Stats().LeasesLost, "a lease counted lost")
+	assert.NoError(t, a.Context().Err(), "the context of the message acked in the transaction")
+	assert.NoError(t, b.Context().Err(), "the context of the other message of the row")
+	a.Ack()
+	b.Ack()
+	testdb.Eventually(t, 10*time.Second, "both acks counted", func() bool { return sub.Stats().Acked == 2 })
+	assert.Zero(t, sub.Stats().StaleSettlements)
+}

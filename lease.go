@@ -307,8 +307,10 @@ func (l *leaseMode) extendOnce() {
 		if extended {
 			d.deadline = now.Add(sub.cfg.LeaseTTL)
 		}
-		// Refused while settling: the settlement deleted or moved the row.
-		lost := !extended && (err == nil && d.state != stateSettling || err != nil && time.Now().After(d.deadline))
+		// Refused while settling: the settlement deleted or moved the row. Refused once
+		// AckInTx has marked it: the extension was sent before and waited on the row for the
+		// caller's transaction, whose commit took the offset out; the message is settled.
+		lost := !extended && !d.ackedInTx && (err == nil && d.state != stateSettling || err != nil && time.Now().After(d.deadline))
 		d.mu.Unlock()
 		if lost && sub.work.lose(d) {
 			sub.claimer.markDue(time.Now()) // its lease ran out: the row is due, and this may take it

@@ -88,6 +88,20 @@ const (
 	alterBlockFor = 3500 * time.Millisecond
 )
 
+// The ordered group (lease mode only: the advisory mode refuses OrderByKey): three more
+// consumer processes, in a consumer group of their own on the same topic, with OrderByKey.
+// Every message published carries one of orderKeys order keys, and those of every other key
+// are acked in the transaction that records their handling. They are killed and frozen with
+// the main group, share its table locks and terminated connections, and their handlers fail
+// as the main group's do; the order check (ordercheck_test.go) counts order violations.
+// Its pools are small (orderedConns connections for the library, as many for recording), so
+// that the run stays within a server's 100 connections.
+const (
+	orderedConsumers = 3
+	orderKeys        = 32
+	orderedConns     = 3
+)
+
 var modes = []sqlbroker.ClaimMode{sqlbroker.ClaimLease, sqlbroker.ClaimAdvisoryLock}
 
 // modeAvailable asks NewSubscriber whether the mode is built yet.
@@ -149,7 +163,13 @@ type totals struct {
 	stopDeadline                         int // shutdowns under a lock that returned their ctx's error
 	queriesCancelled                     int
 	activeAtOnce, locksAtOnce            int
-	main, race                           verdict
+	main, race, ordered                  verdict
+	orderedOn                            bool
+	order                                orderVerdict
+	orderedUnique, orderedLost           int
+	orderedKills, orderedFreezes         int
+	orderedAcked, orderedStale           int64
+	orderedLeasesLost, orderedNacked     int64
 	raceAcked, raceStale, raceLost       int64
 	raceUnique, raceLostMsgs             int
 	mode                                 string
@@ -179,7 +199,9 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	racePrefix := "sqlbchaosrace" + run // the racing group's library connections
 	results := pgx.Identifier{"chaos_results_" + topic}.Sanitize()
 	raceResults := pgx.Identifier{"chaos_race_" + topic}.Sanitize()
-	for _, r := range []string{results, raceResults} {
+	orderedResults := pgx.Identifier{"chaos_order_" + topic}.Sanitize()
+	orderedOn := mode == sqlbroker.ClaimLease
+	for _, r := range []string{results, raceResults, orderedResults} {
 		_, err := db.Exec(ctx, "CREATE TABLE "+r+` (uuid text NOT NULL, consumer text NOT NULL, pid int NOT NULL,
 			attempt int NOT NULL, kind text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp(), off bigint NOT NULL)`)
 		require.NoError(t, err)
@@ -234,16 +256,32 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	}, func(slot, gen int) string {
 		return withApp("postgres", fmt.Sprintf("%sr%dg%d", racePrefix, slot, gen))
 	}, func(int) int { return 10 })
+	fleets := []*fleet{f, race}
+	var ordered *fleet
+	if orderedOn {
+		// Its library connections carry libPrefix: the test terminates them with the main
+		// group's, and counts them among those left.
+		ordered = newFleet(t, "o", hist, orderedConsumers, consumerConfig{
+			RecordURL: withApp("postgres", recApp), Topic: topic, Group: "ordered", Mode: int(sqlbroker.ClaimLease), Results: orderedResults,
+			MaxInFlight: 32, LeaseTTL: leaseTTL, Renew: renewInterval, Poll: pollInterval, Retry: retryInterval,
+			Timeout: handlerTimeout, Faults: true, NoProbes: true, OrderByKey: true, NackBackoff: 50 * time.Millisecond,
+			RecordConns: orderedConns,
+		}, func(slot, gen int) string {
+			return withApp("postgres", fmt.Sprintf("%so%dg%d", libPrefix, slot, gen))
+		}, func(int) int { return orderedConns })
+		fleets = append(fleets, ordered)
+	}
 
 	var tot totals
 	tot.mode = mode.String()
+	tot.orderedOn = orderedOn
 
 	t.Cleanup(func() {
 		if !t.Failed() {
 			return
 		}
 		// What the consumers logged last, and the messages not handled with their claims.
-		for _, fl := range []*fleet{f, race} {
+		for _, fl := range fleets {
 			_, _, ps := fl.reports()
 			for _, p := range ps {
 				t.Log(tail(p.logPath, 25))
@@ -285,8 +323,12 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 			require.NoError(t, err)
 			// The three tables are locked one after the other: a statement of the library
 			// holding one and waiting for another is a deadlock, which the server ends by
-			// failing one side; when it is the test's, lock again.
-			_, err = tx.Exec(ctx, "LOCK TABLE "+tables.Messages+", "+tables.Claims+", "+tables.Groups+" IN ACCESS EXCLUSIVE MODE")
+			// failing one side; when it is the test's, lock again. The groups table comes
+			// first: a claim of the ordered group locks its group's row, then reads the
+			// other two in a later statement of its transaction, and locked in another
+			// order the test and that transaction deadlock again and again, each time
+			// after the server's deadlock_timeout.
+			_, err = tx.Exec(ctx, "LOCK TABLE "+tables.Groups+", "+tables.Claims+", "+tables.Messages+" IN ACCESS EXCLUSIVE MODE")
 			if err == nil {
 				break
 			}
@@ -372,6 +414,11 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 				msgs := make([]*message.Message, n)
 				for j := range msgs {
 					msgs[j] = message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprintf("p%d-%d", i, sent+j)))
+					k := rand.IntN(orderKeys)
+					msgs[j].Metadata.Set(sqlbroker.MetadataOrderKey, fmt.Sprintf("k%02d", k))
+					if k%2 == 0 {
+						msgs[j].Metadata.Set(metaAckInTx, "1")
+					}
 				}
 				err := p.Publish(topic, msgs...)
 				for try := 0; err != nil && restarting && try < 300; try++ {
@@ -406,6 +453,9 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	for i := 0; i < 10000 && (time.Now().Before(faultsEnd) || !forced()); i++ {
 		time.Sleep(time.Duration(700+rand.IntN(900)) * time.Millisecond) // pacing, not synchronisation
 		tot.revived += f.revive()
+		if ordered != nil {
+			tot.revived += ordered.revive()
+		}
 		kind := cycle[i%len(cycle)]
 		if restarting && i == 4 {
 			kind = "restart"
@@ -446,12 +496,23 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 			slot := rand.IntN(consumers)
 			f.kill(slot)
 			tot.kills++
+			oslot := rand.IntN(orderedConsumers)
+			if ordered != nil {
+				ordered.kill(oslot)
+				tot.orderedKills++
+			}
 			time.Sleep(300 * time.Millisecond)
 			f.start(slot)
+			if ordered != nil {
+				ordered.start(oslot)
+			}
 		case "terminate":
 			t0 := time.Now()
+			// Two of the main group's library connections, and one of the ordered group's.
 			rows, err := db.Query(ctx, `SELECT application_name FROM (
-				SELECT pid, application_name FROM pg_stat_activity WHERE application_name LIKE $1 || '%' ORDER BY random() LIMIT 2) x
+				(SELECT pid, application_name FROM pg_stat_activity WHERE application_name LIKE $1 || 'c%' ORDER BY random() LIMIT 2)
+				UNION ALL
+				(SELECT pid, application_name FROM pg_stat_activity WHERE application_name LIKE $1 || 'o%' ORDER BY random() LIMIT 1)) x
 				WHERE pg_terminate_backend(pid)`, libPrefix)
 			require.NoError(t, err)
 			apps, err := pgx.CollectRows(rows, pgx.RowTo[string])
@@ -463,8 +524,18 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 			hist.add(fault{Kind: faultTerminate, Procs: procs, Start: t0, End: time.Now()})
 			tot.terminated += len(apps)
 		case "freeze":
+			var frozen sync.WaitGroup
+			if ordered != nil {
+				frozen.Add(1)
+				go func() { // frozen for the same while, beside the main group's
+					defer frozen.Done()
+					ordered.freeze(rand.IntN(orderedConsumers), leaseTTL+time.Second)
+				}()
+				tot.orderedFreezes++
+			}
 			f.freeze(rand.IntN(consumers), leaseTTL+time.Second)
 			tot.freezes++
+			frozen.Wait()
 		case "xmin":
 			// A transaction with an xid, open for 3s: no message committed after it started
 			// can be delivered until it ends (M2); they are held back, not lost.
@@ -491,6 +562,12 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 		f.waitReady(i)
 	}
 	race.waitReady(0)
+	if ordered != nil {
+		tot.revived += ordered.revive()
+		for i := range orderedConsumers {
+			ordered.waitReady(i)
+		}
+	}
 
 	// Every message stored is recorded as handled, at least once.
 	stored := func() int { return queryInt(t, "SELECT count(DISTINCT uuid) FROM "+tables.Messages) }
@@ -498,6 +575,12 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	testdb.Eventually(t, 2*time.Minute, "every message handled", func() bool { return unique() >= stored() })
 	raceUnique := func() int { return queryInt(t, "SELECT count(DISTINCT uuid) FROM "+raceResults+" WHERE kind = 'done'") }
 	testdb.Eventually(t, 2*time.Minute, "every message handled by the racing group", func() bool { return raceUnique() >= stored() })
+	orderedUnique := func() int {
+		return queryInt(t, "SELECT count(DISTINCT uuid) FROM "+orderedResults+" WHERE kind = 'done'")
+	}
+	if orderedOn {
+		testdb.Eventually(t, 2*time.Minute, "every message handled by the ordered group", func() bool { return orderedUnique() >= stored() })
+	}
 	testdb.Eventually(t, 30*time.Second, "every claim settled", func() bool {
 		return queryInt(t, "SELECT count(*) FROM "+tables.Claims) == 0
 	})
@@ -510,6 +593,9 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 		time.Sleep(500 * time.Millisecond)
 		f.stopAll()
 		race.stopAll()
+		if ordered != nil {
+			ordered.stopAll()
+		}
 		return nil
 	})
 	tot.tableLocks++
@@ -535,6 +621,13 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	}}
 	tot.main = chk.check(t, "c", results)
 	tot.race = chk.check(t, "r", raceResults)
+	if orderedOn {
+		tot.ordered = chk.check(t, "o", orderedResults)
+		msgs, hs := readOrdered(t, tables.Messages, orderedResults, faults)
+		tot.order = chk.checkOrder(t, msgs, hs, orderedResults)
+		tot.orderedUnique = queryInt(t, "SELECT count(DISTINCT r.uuid) FROM "+orderedResults+" r JOIN "+tables.Messages+" m USING (uuid) WHERE r.kind = 'done'")
+		tot.orderedLost = queryInt(t, "SELECT count(*) FROM "+tables.Messages+" m WHERE NOT EXISTS (SELECT 1 FROM "+orderedResults+" r WHERE r.uuid = m.uuid AND r.kind = 'done')")
+	}
 	tot.duplicates = tot.main.duplicates
 	tot.raceUnique = queryInt(t, "SELECT count(DISTINCT r.uuid) FROM "+raceResults+" r JOIN "+tables.Messages+" m USING (uuid) WHERE r.kind = 'done'")
 	tot.raceLostMsgs = queryInt(t, "SELECT count(*) FROM "+tables.Messages+" m WHERE NOT EXISTS (SELECT 1 FROM "+raceResults+" r WHERE r.uuid = m.uuid AND r.kind = 'done')")
@@ -555,6 +648,20 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	}
 	mainProcs := len(procs)
 	procs = append(procs, raceProcs...)
+	if ordered != nil {
+		orderedLast, orderedFinal, orderedProcs := ordered.reports()
+		for k, v := range orderedLast {
+			last[k] = v
+			tot.orderedAcked += v.Stats.Acked
+			tot.orderedStale += v.Stats.StaleSettlements
+			tot.orderedLeasesLost += v.Stats.LeasesLost
+			tot.orderedNacked += v.Stats.Nacked
+		}
+		for k, v := range orderedFinal {
+			final[k] = v
+		}
+		procs = append(procs, orderedProcs...)
+	}
 	tot.processes = len(procs)
 	var fromStats []string
 	for _, p := range procs {
@@ -562,10 +669,12 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 		if !ok {
 			continue
 		}
-		tot.stale += r.Stats.StaleSettlements
-		tot.leasesLost += r.Stats.LeasesLost
-		tot.nacked += r.Stats.Nacked
-		tot.released += r.Stats.Released
+		if !strings.HasPrefix(p.id, "o") { // the ordered group's are counted apart
+			tot.stale += r.Stats.StaleSettlements
+			tot.leasesLost += r.Stats.LeasesLost
+			tot.nacked += r.Stats.Nacked
+			tot.released += r.Stats.Released
+		}
 		if final[p.id] {
 			tot.cleanExits++
 			tot.procConnsLeft += r.ConnsLeft
@@ -609,7 +718,11 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	assert.Zero(t, tot.connsLeft, "library connections left")
 	assert.Zero(t, tot.procLocksLeft, "advisory locks left after a consumer's shutdown")
 	assert.Zero(t, tot.procConnsLeft, "library connections left after a consumer's shutdown")
-	assert.Equal(t, consumers+1+tot.revived+len(tot.stopUnderLock), tot.cleanExits-countKilledWithFinal(procs, final), "every consumer not killed exits cleanly")
+	started := consumers + 1
+	if orderedOn {
+		started += orderedConsumers
+	}
+	assert.Equal(t, started+tot.revived+len(tot.stopUnderLock), tot.cleanExits-countKilledWithFinal(procs, final), "every consumer not killed exits cleanly")
 	assert.Zero(t, tot.main.unexplainedRefusals+tot.race.unexplainedRefusals, "unexplained refused settlements")
 	assert.Zero(t, tot.main.unexplainedLosses+tot.race.unexplainedLosses, "unexplained lost claims")
 	assert.Zero(t, tot.main.unexplainedDuplicates+tot.race.unexplainedDuplicates, "unexplained duplicates")
@@ -620,6 +733,16 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	assert.Zero(t, tot.raceStale, "settlements of the racing group refused (its leases outlast every fault)")
 	assert.Zero(t, tot.raceLost, "leases of the racing group lost")
 	assert.Zero(t, tot.race.duplicates, "duplicates in the racing group")
+	if orderedOn {
+		assert.Zero(t, tot.orderedLost, "messages the ordered group never handled")
+		assert.Zero(t, tot.ordered.unexplainedRefusals, "unexplained refused settlements in the ordered group")
+		assert.Zero(t, tot.ordered.unexplainedLosses, "unexplained lost claims in the ordered group")
+		assert.Zero(t, tot.ordered.unexplainedDuplicates, "unexplained duplicates in the ordered group")
+		assert.Zero(t, tot.order.violations(), "order violations in the ordered group")
+		for _, u := range append(tot.ordered.unexplained, tot.order.unexplained...) {
+			t.Log(u)
+		}
+	}
 	_ = mainProcs
 	if t.Failed() {
 		for _, p := range procs {
@@ -812,6 +935,25 @@ func printTotals(t *testing.T, tot totals, fig recovery) {
 		tot.cleanExits, tot.activeAtOnce, tot.locksAtOnce, tot.queriesCancelled, tot.stopDeadline)
 	fmt.Fprintf(&b, "racing group            lease mode, LeaseRenewInterval %s, LeaseTTL %s, handlers ack after 0-%s: %d acks applied, %d refused, %d leases lost, %d duplicates (unexplained %d), %d of %d messages handled\n",
 		raceRenew, raceTTL, raceWork, tot.raceAcked, tot.raceStale, tot.raceLost, tot.race.duplicates, tot.race.unexplainedDuplicates+tot.race.unexplainedRefusals+tot.race.unexplainedLosses, tot.raceUnique, tot.stored)
+	if tot.orderedOn {
+		o := tot.order
+		fmt.Fprintf(&b, "ordered group           lease mode, OrderByKey, %d consumer processes (%d SIGKILL+restart, %d SIGSTOP for %s), %d keys, every other key acked in the handler's transaction: %d acks applied, %d nacks, %d refused, %d leases lost; %d of %d messages handled, lost %d\n",
+			orderedConsumers, tot.orderedKills, tot.orderedFreezes, leaseTTL+time.Second, o.keys, tot.orderedAcked, tot.orderedNacked, tot.orderedStale, tot.orderedLeasesLost, tot.orderedUnique, tot.stored, tot.orderedLost)
+		fmt.Fprintf(&b, "order violations        %d (handlings started before the one before them of their key was acked %d; beside another of their key, unexplained %d of %d; acked twice in a transaction %d); %d keyed messages, %d handlings, at most %d in handlers at once\n",
+			o.violations(), o.startedEarly, o.unexplainedOverlaps, o.overlaps, o.ackedTwice, o.messages, o.handlings, o.maxInHandlers)
+		fmt.Fprintf(&b, "ordered group           duplicates %d (unexplained %d), refusals %d (unexplained %d), lost claims %d (unexplained %d)\n",
+			tot.ordered.duplicates, tot.ordered.unexplainedDuplicates, tot.ordered.refusals, tot.ordered.unexplainedRefusals, tot.ordered.losses, tot.ordered.unexplainedLosses)
+		why := map[string]int{}
+		for k, n := range tot.ordered.byWhy {
+			why[k] += n
+		}
+		for k, n := range o.byWhy {
+			why[k] += n
+		}
+		fmt.Fprintf(&b, "ordered group explained by\n%s", fmtWhy(why))
+	} else {
+		fmt.Fprintf(&b, "ordered group           none: the advisory mode refuses OrderByKey\n")
+	}
 	fmt.Fprintf(&b, "advisory locks left     %d (in pg_locks after shutdown; each consumer's own count after its shutdown: %d)\n", tot.locksLeft, tot.procLocksLeft)
 	fmt.Fprintf(&b, "library connections left %d (pg_stat_activity by application_name; each consumer's own count after its shutdown: %d)\n", tot.connsLeft, tot.procConnsLeft)
 	fmt.Fprintf(&b, "processes               %d started, %d clean exits (%d of them after a Subscribe that failed on a terminated connection, then restarted)\n", tot.processes, tot.cleanExits, tot.revived)

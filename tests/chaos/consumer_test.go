@@ -17,6 +17,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
@@ -50,7 +52,19 @@ type consumerConfig struct {
 	Faults      bool          // handlers panic, nack and time out for some messages
 	WorkMax     time.Duration // without Faults: each handler works a random 0..WorkMax before it returns
 	NoProbes    bool          // the probes of the recovery measurements are ordinary messages here
+	NackPercent int           // without Faults: the handler fails this share of its handlings, at random
+	RecordConns int           // the recording pool's connections (0: 8)
+	NackBackoff time.Duration // the subscriber's NackBackoff (0: the default)
+	// OrderByKey: the subscriber keeps order by key, and the handler also records when each
+	// handling starts ("start") and when one fails ("failed"), for the order check. A message
+	// with metaAckInTx is acked in the transaction that records it ("done"): that row exists
+	// exactly when the ack was applied.
+	OrderByKey bool
 }
+
+// metaAckInTx marks a message that an ordered consumer acks in the transaction that records
+// its handling (sqlbroker.PgxTxHandler).
+const metaAckInTx = "chaos_ack_in_tx"
 
 // consumerReport is printed by a consumer process: every second (CHAOS-STATS) and at a clean
 // exit (CHAOS-FINAL), so that the figures of a process killed with SIGKILL are known up to its
@@ -219,6 +233,9 @@ func runConsumer() int {
 		return 2
 	}
 	recCfg.MaxConns = 8
+	if cfg.RecordConns > 0 {
+		recCfg.MaxConns = int32(cfg.RecordConns)
+	}
 	rec, err := pgxpool.NewWithConfig(context.Background(), recCfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "record pool:", err)
@@ -226,14 +243,31 @@ func runConsumer() int {
 	}
 	defer rec.Close()
 	pid := os.Getpid()
+	insert := func(ctx context.Context, db interface {
+		Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+	}, msg *message.Message, kind string) error {
+		attempt, _ := strconv.Atoi(msg.Metadata.Get(sqlbroker.MetadataAttempt))
+		off, _ := strconv.ParseInt(msg.Metadata.Get(sqlbroker.MetadataOffset), 10, 64)
+		_, err := db.Exec(ctx, "INSERT INTO "+cfg.Results+` (uuid, consumer, pid, attempt, kind, off) VALUES ($1, $2, $3, $4, $5, $6)`,
+			msg.UUID, cfg.ID, pid, attempt, kind, off)
+		return err
+	}
 	record := func(msg *message.Message, kind string) error {
 		rctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		attempt, _ := strconv.Atoi(msg.Metadata.Get(sqlbroker.MetadataAttempt))
-		off, _ := strconv.ParseInt(msg.Metadata.Get(sqlbroker.MetadataOffset), 10, 64)
-		_, err := rec.Exec(rctx, "INSERT INTO "+cfg.Results+` (uuid, consumer, pid, attempt, kind, off) VALUES ($1, $2, $3, $4, $5, $6)`,
-			msg.UUID, cfg.ID, pid, attempt, kind, off)
-		return err
+		return insert(rctx, rec, msg, kind)
+	}
+	// ackInTx records the handling and acks the message in one transaction, as an application
+	// that writes its effects and the ack together does: the row is there exactly when the ack
+	// was applied. The record pool is on the subscriber's database.
+	ackInTx := sqlbroker.PgxTxHandler(rec, func(ctx context.Context, tx pgx.Tx, msg *message.Message) error {
+		return insert(ctx, tx, msg, "done")
+	})
+	done := func(msg *message.Message) error {
+		if cfg.OrderByKey && msg.Metadata.Get(metaAckInTx) != "" {
+			return ackInTx(msg)
+		}
+		return record(msg, "done")
 	}
 
 	broker, err := sqlbroker.Open(cfg.URL, sqlbroker.BrokerConfig{MaxConns: cfg.MaxConns}, logger)
@@ -249,6 +283,8 @@ func runConsumer() int {
 		LeaseRenewInterval: cfg.Renew,
 		PollInterval:       cfg.Poll,
 		RetryInterval:      cfg.Retry,
+		NackBackoff:        cfg.NackBackoff,
+		OrderByKey:         cfg.OrderByKey,
 		CloseTimeout:       5 * time.Second,
 	})
 	if err != nil {
@@ -273,7 +309,22 @@ func runConsumer() int {
 			tctx, cancel := context.WithTimeout(msg.Context(), cfg.Timeout)
 			defer cancel()
 			msg.SetContext(tctx)
-			return h(msg)
+			if !cfg.OrderByKey {
+				return h(msg)
+			}
+			// The order check needs every handling's span, failed ones included.
+			if err := record(msg, "start"); err != nil {
+				return nil, err
+			}
+			failed := true
+			defer func() {
+				if failed {
+					_ = record(msg, "failed") // a panic too: the Router recovers it further out
+				}
+			}()
+			out, err := h(msg)
+			failed = err != nil
+			return out, err
 		}
 	})
 	router.AddNoPublisherHandler("chaos", cfg.Topic, sub, func(msg *message.Message) error {
@@ -309,7 +360,10 @@ func runConsumer() int {
 		} else if cfg.WorkMax > 0 {
 			time.Sleep(rand.N(cfg.WorkMax)) // acks land anywhere between two lease extensions
 		}
-		return record(msg, "done")
+		if cfg.NackPercent > 0 && rand.IntN(100) < cfg.NackPercent {
+			return errors.New("chaos: the handler fails at random")
+		}
+		return done(msg)
 	})
 
 	var wg sync.WaitGroup

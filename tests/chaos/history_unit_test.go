@@ -96,3 +96,69 @@ func TestHistory_duplicateOfKilledHandlingRecordedLate(t *testing.T) {
 	_, ok = c.duplicate(rs[0], rs[1])
 	assert.False(t, ok, "a kill of the later delivery's consumer explained the duplicate")
 }
+
+// The order check: of one key's three messages, the third starts before the second's applied
+// handling ended, which no fault explains; a handling of a consumer frozen past its lease runs
+// on beside the next message's and is explained by its lost claim; the same handling with no
+// fault is not; a message acked in its handler's transaction twice is a violation.
+func TestOrderCheck_violationsAndExplainedOverlaps(t *testing.T) {
+	t.Parallel()
+	t0 := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	lease := func(string) (time.Duration, time.Duration, bool) {
+		return 2 * time.Second, 500 * time.Millisecond, false
+	}
+	msgs := []keyedMessage{{Off: 10, UUID: "a", Key: "k"}, {Off: 11, UUID: "b", Key: "k"}, {Off: 12, UUID: "c", Key: "k"}, {Off: 13, UUID: "d", Key: "j", InTx: true}}
+	span := func(c string, attempt int, off int64, from, to int, done bool) handling {
+		h := handling{Consumer: c, Attempt: attempt, Off: off, Start: at(from), End: at(to), EndKnown: true, Done: done}
+		if done {
+			h.Dones = 1
+		}
+		return h
+	}
+	inOrder := []handling{
+		span("o0", 1, 10, 0, 50, false),      // nacked
+		span("o1", 2, 10, 100, 150, true),    // acked
+		span("o1", 1, 11, 200, 250, true),    // acked
+		span("o2", 1, 12, 300, 350, true),    // acked
+		span("o0", 1, 13, 0, 10, true),       // another key, acked in a transaction
+		span("o2", 1, 13, 3000, 3010, false), // delivered again after it was acked: not a second ack
+	}
+	c := &checker{lease: lease}
+	v := c.checkOrder(t, msgs, inOrder, "")
+	assert.Zero(t, v.violations(), "%v", v.unexplained)
+	assert.Zero(t, v.overlaps)
+	assert.Equal(t, 2, v.keys)
+	assert.Equal(t, 2, v.maxInHandlers, "the spans of key k run one at a time, one of key j beside them")
+
+	early := append([]handling(nil), inOrder...)
+	early[3] = span("o2", 1, 12, 240, 350, true) // starts before offset 11's ack at 250
+	v = c.checkOrder(t, msgs, early, "")
+	assert.Equal(t, 1, v.startedEarly, "a message started before the one before it was acked")
+	assert.Positive(t, v.violations())
+
+	// o0 takes offset 11 first and is frozen past its lease; o1 handles it again and acks, the
+	// key moves on to offset 12, and o0's handler runs on after the freeze: beside offset 11's
+	// and 12's applied handlings, and explained by its lost claim.
+	frozen := []handling{
+		span("o1", 2, 10, 100, 150, true),
+		span("o0", 1, 11, 200, 3400, true),
+		span("o1", 2, 11, 2500, 2550, true),
+		span("o2", 1, 12, 2600, 2650, true),
+	}
+	c = &checker{lease: lease,
+		faults: []fault{{Kind: faultFreeze, Procs: []string{"o0"}, Start: at(210), End: at(3300)}},
+		events: []event{{Proc: "o0", Kind: evLeaseLost, Offset: 11, Began: at(200).UnixNano(), At: at(3310).UnixNano()}},
+	}
+	v = c.checkOrder(t, msgs[:3], frozen, "")
+	assert.Equal(t, 2, v.overlaps)
+	assert.Zero(t, v.violations(), "%v", v.unexplained)
+	c.faults, c.events = nil, nil
+	v = c.checkOrder(t, msgs[:3], frozen, "")
+	assert.Equal(t, 2, v.unexplainedOverlaps, "a handling beside others of its key with no fault explained")
+
+	twice := append([]handling(nil), inOrder...)
+	twice[5] = span("o2", 2, 13, 3000, 3010, true)
+	v = c.checkOrder(t, msgs, twice, "")
+	assert.Equal(t, 1, v.ackedTwice, "a message acked twice in its handler's transaction")
+}

@@ -2,7 +2,9 @@
 // to them, injects faults (SIGKILL and restart, pg_terminate_backend of the library's
 // connections, a long transaction holding the xmin horizon back, a tiny pool, handlers that
 // panic, time out and nack) and checks the totals: nothing lost, duplicates explained, no lock
-// and no connection of the library left. See chaos_test.go.
+// and no connection of the library left; in lease mode, a group ordered by key keeps its order
+// (ordercheck_test.go). See chaos_test.go, and ordered_test.go for four ordered processes, one
+// of them killed.
 package chaos
 
 import (
