@@ -24,7 +24,8 @@ import (
 // notification came, a message written without NOTIFY, in advisory mode a claim whose holder
 // let go. It runs one statement for up to pollChunk subscriptions, only for chunks holding a
 // parked one, every IdlePollInterval while the pool's LISTEN connection listens and every
-// PollInterval while it does not (database/sql cannot listen).
+// PollInterval while it does not (database/sql cannot listen), and at once when that
+// connection's LISTEN is put in place again (the notifications sent meanwhile were missed).
 
 // pollChunk is how many subscriptions one statement of the shared poll covers.
 const pollChunk = 64
