@@ -23,7 +23,6 @@ import (
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/internal/listen"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
@@ -347,12 +346,12 @@ func TestIdle_subscribeCostsFewTransactions(t *testing.T) {
 }
 
 // A LISTEN connection that comes back after a loss wakes no subscription by itself: the
-// pool's shared poll looks once for the parked ones and pokes those with work. A message
-// announced while the connection was down (its NOTIFY missed) is found by that look, although
-// the subscriptions poll on their own only every 30 minutes here; the other 19 idle
-// subscriptions run nothing. (Waking all of them made each claim, then claim again at
-// doubling intervals in case the xmin horizon held the announced message back: about six
-// claims each.)
+// pool's shared poll looks once for the parked ones and pokes those with work (the
+// notifications sent meanwhile were missed). A message nobody announced, written before the
+// cut, is found by that look, although here the shared poll runs only every minute and the
+// subscriptions claim by themselves only every 30; the other 19 idle subscriptions run
+// nothing. (Waking all of them made each claim, then claim again at doubling intervals in
+// case the xmin horizon held an announced message back: about six claims each.)
 func TestIdle_listenBackLooksOnceForAll(t *testing.T) {
 	t.Parallel()
 	const n = 20
@@ -390,13 +389,13 @@ func TestIdle_listenBackLooksOnceForAll(t *testing.T) {
 		return total == 0
 	})
 
+	store := offsets.NewStore(tables(topics[n-1]), false)
+	require.NoError(t, store.Insert(ctx, dbx.NewPgxPool(testdb.Pgx(t)), []offsets.Row{{UUID: "unannounced", Payload: []byte("x"), Metadata: "{}"}}, ""))
 	old := listener()
 	proxy.reset()
 	queryInt(t, `SELECT count(*) FROM (SELECT pg_terminate_backend($1)) x`, old)
-	store := offsets.NewStore(tables(topics[n-1]), false)
-	require.NoError(t, store.Insert(ctx, dbx.NewPgxPool(testdb.Pgx(t)), []offsets.Row{{UUID: "announced-while-down", Payload: []byte("x"), Metadata: "{}"}}, listen.Channel))
 	m := receive(t, chans[n-1], 10*time.Second)
-	assert.Equal(t, "announced-while-down", m.UUID)
+	assert.Equal(t, "unannounced", m.UUID)
 	m.Ack()
 	testdb.Eventually(t, 10*time.Second, "the ack applied", func() bool { return sub.Stats().Acked == 1 })
 	assert.NotEqual(t, old, listener(), "the LISTEN connection came back")
