@@ -220,6 +220,15 @@ func (s *Subscriber) subscribe(ctx context.Context, topic string) (*subscription
 // default, so that each statement sees the rows committed before it (a group row another
 // subscriber has just created) as it would on its own.
 func (s *Subscriber) begin(ctx context.Context, topic string) (store, dlq *offsets.Store, groupID int32, err error) {
+	// Names are refused before anything reaches the database, the transaction's BEGIN too.
+	if err := validateTopic(topic); err != nil {
+		return nil, nil, 0, err
+	}
+	if s.config.MaxAttempts > 0 {
+		if _, err := s.config.deadLetterTopic(topic); err != nil {
+			return nil, nil, 0, fmt.Errorf("dead-letter topic: %w", err)
+		}
+	}
 	run := func(pool dbx.Beginner, q dbx.Querier) error {
 		var err error
 		if store, err = s.stores.store(ctx, pool, q, topic, s.config.InitializeSchema); err != nil {
