@@ -44,9 +44,10 @@ import (
 //     their contexts are cancelled with ErrLeaseLost, their settlements are refused as stale,
 //     and the connection is opened again (A3).
 type advisoryMode struct {
-	sub  *subscription
-	conn *advisory.Conn
-	key1 int32
+	sub     *subscription
+	conn    *advisory.Conn
+	key1    int32
+	lookSQL string // the look of a claim round before the lock connection was ever opened
 
 	roundGen    uint64    // lock generation of the claim round being handed out (claim loop only)
 	lastRescue  time.Time // claim loop only
@@ -61,7 +62,12 @@ type advisoryMode struct {
 	shutdownOne sync.Once
 }
 
-// openAdvisory opens the subscription's lock connection. ctx bounds the connect.
+// openAdvisory sets up the subscription's lock connection. The first one of a pool in the
+// process is opened here, and its session checked (A5): Subscribe fails behind a
+// transaction-mode pooler. The others are opened by the first claim round that finds work
+// (see claimRound): an idle subscription holds no connection, and its start costs the server
+// no connection, no session set-up, no orphan search. On a bounded *sql.DB the room for the
+// connection is taken here all the same (C4). ctx bounds the connect.
 func openAdvisory(ctx context.Context, sub *subscription) (*advisoryMode, error) {
 	a := &advisoryMode{
 		sub:      sub,
@@ -69,6 +75,7 @@ func openAdvisory(ctx context.Context, sub *subscription) (*advisoryMode, error)
 		released: make(chan struct{}),
 		idleCh:   make(chan struct{}),
 	}
+	a.lookSQL, _ = offsets.IdleLookSQL([]offsets.IdleBranch{{Tables: &sub.store.T, GroupID: sub.groupID, Locks: true}}, []int64{0})
 	conn, err := advisory.Open(ctx, sub.s.db, advisory.Options{
 		Key1:          a.key1,
 		CheckInterval: sub.cfg.LockCheckInterval,
@@ -76,6 +83,7 @@ func openAdvisory(ctx context.Context, sub *subscription) (*advisoryMode, error)
 		Stop:          sub.ctx, // the claim statements in flight are cancelled on the server, and no reconnect
 		OnLost:        a.lost,
 		Logger:        sub.logger,
+		Lazy:          true,
 	})
 	if err != nil {
 		return nil, err
@@ -167,6 +175,11 @@ func (a *advisoryMode) claimRound(buf []offsets.Claimed, n int, due bool) ([]off
 	}
 	token := rand.Int64N(1<<62) + 1
 	a.roundGen = 0
+	if !a.conn.Opened() {
+		if work, err := a.look(); err != nil || !work {
+			return buf[:0], token, err
+		}
+	}
 	if time.Since(a.lastRescue) >= sub.cfg.PollInterval {
 		a.lastRescue = time.Now()
 		var err error
@@ -194,6 +207,21 @@ func (a *advisoryMode) claimRound(buf []offsets.Claimed, n int, due bool) ([]off
 		}
 	}
 	return buf, token, nil
+}
+
+// look reads on the pool whether a claim round would find anything: a claim due again, a
+// message that may be delivered, or a claim held by a lock, whose holder may be gone (the
+// shared poll's look, for this subscription alone). A claim round runs it while the lock
+// connection was never opened, and opens that connection only when it says yes; it is
+// cancelled on the server, and awaited, when the subscription stops, as a claim is.
+func (a *advisoryMode) look() (bool, error) {
+	var found []int64
+	err := a.sub.s.tracker.Run(a.sub.ctx, stmtClaim, claimTimeout, func(ctx context.Context, q dbx.Querier) error {
+		var err error
+		found, err = dbx.ScanInt64s(q.Query(ctx, a.lookSQL))
+		return err
+	})
+	return len(found) > 0, err
 }
 
 // rescuePage is how many claims held by a lock one claim round looks at for orphans.

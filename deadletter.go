@@ -49,7 +49,7 @@ func (c *SubscriberConfig) deadLetterTopic(topic string) (string, error) {
 
 // deadLetterStore returns the store of topic's dead-letter topic, its tables created or
 // checked, or nil without MaxAttempts.
-func (s *Subscriber) deadLetterStore(ctx context.Context, topic string) (*offsets.Store, error) {
+func (s *Subscriber) deadLetterStore(ctx context.Context, pool dbx.Beginner, q dbx.Querier, topic string) (*offsets.Store, error) {
 	if s.config.MaxAttempts == 0 {
 		return nil, nil
 	}
@@ -57,7 +57,7 @@ func (s *Subscriber) deadLetterStore(ctx context.Context, topic string) (*offset
 	if err != nil {
 		return nil, err
 	}
-	return s.stores.store(ctx, s.db, s.db, name, s.config.InitializeSchema)
+	return s.stores.store(ctx, pool, q, name, s.config.InitializeSchema)
 }
 
 // overAttempts reports whether the delivery d must go to the dead-letter topic rather than

@@ -24,7 +24,8 @@ import (
 // notification came, a message written without NOTIFY, in advisory mode a claim whose holder
 // let go. It runs one statement for up to pollChunk subscriptions, only for chunks holding a
 // parked one, every IdlePollInterval while the pool's LISTEN connection listens and every
-// PollInterval while it does not (database/sql cannot listen).
+// PollInterval while it does not (database/sql cannot listen), and at once when that
+// connection's LISTEN is put in place again (the notifications sent meanwhile were missed).
 
 // pollChunk is how many subscriptions one statement of the shared poll covers.
 const pollChunk = 64
@@ -248,10 +249,12 @@ func (p *idlePoller) intervals() (poll, idle time.Duration) {
 }
 
 // run polls every PollInterval while the pool's LISTEN connection is down (or the pool cannot
-// listen), every IdlePollInterval while it listens.
+// listen), every IdlePollInterval while it listens, and at once when its LISTEN is put in
+// place again: a NOTIFY sent while it was not is missed (see package listen).
 func (p *idlePoller) run() {
 	defer close(p.done)
 	last := time.Now()
+	_, seen := listen.State(p.pool)
 	for {
 		poll, idle := p.intervals()
 		tick := min(poll, idle)
@@ -263,10 +266,15 @@ func (p *idlePoller) run() {
 			return
 		}
 		every := poll
-		if listen.Listening(p.pool) {
+		listening, gen := listen.State(p.pool)
+		if listening {
 			every = idle
 		}
-		if time.Since(last) < every-tick/2 {
+		relistened := listening && gen != seen
+		if listening {
+			seen = gen
+		}
+		if !relistened && time.Since(last) < every-tick/2 {
 			continue
 		}
 		last = time.Now()

@@ -187,17 +187,9 @@ func (s *Subscriber) subscribe(ctx context.Context, topic string) (*subscription
 	if closed {
 		return nil, ErrClosed
 	}
-	store, err := s.stores.store(ctx, s.db, s.db, topic, s.config.InitializeSchema)
+	store, dlq, groupID, err := s.begin(ctx, topic)
 	if err != nil {
 		return nil, fmt.Errorf("sqlbroker: subscribe to %q: %w", topic, err)
-	}
-	dlq, err := s.deadLetterStore(ctx, topic)
-	if err != nil {
-		return nil, fmt.Errorf("sqlbroker: subscribe to %q: dead-letter topic: %w", topic, err)
-	}
-	groupID, err := store.EnsureGroup(ctx, s.db, s.config.ConsumerGroup, s.config.StartAtNewest)
-	if err != nil {
-		return nil, fmt.Errorf("sqlbroker: subscribe to %q: consumer group %q: %w", topic, s.config.ConsumerGroup, err)
 	}
 
 	sub := newSubscription(s, ctx, store, groupID, dlq)
@@ -222,6 +214,50 @@ func (s *Subscriber) subscribe(ctx context.Context, topic string) (*subscription
 	s.mu.Unlock()
 	sub.start()
 	return sub, nil
+}
+
+// begin reads what a subscription of topic starts from: the topic's tables (checked once per
+// Subscriber, or created with InitializeSchema), the dead-letter topic's, and the consumer
+// group's row, created if it is new. On PostgreSQL, unless tables are to be created, that is
+// one transaction: run one by one, each statement would be a transaction of its own (two for
+// a statement the driver prepares first), and a process that subscribes to many topics would
+// start with a burst of them. The transaction is READ COMMITTED whatever the session's
+// default, so that each statement sees the rows committed before it (a group row another
+// subscriber has just created) as it would on its own.
+func (s *Subscriber) begin(ctx context.Context, topic string) (store, dlq *offsets.Store, groupID int32, err error) {
+	// Names are refused before anything reaches the database, the transaction's BEGIN too.
+	if err := validateTopic(topic); err != nil {
+		return nil, nil, 0, err
+	}
+	if s.config.MaxAttempts > 0 {
+		if _, err := s.config.deadLetterTopic(topic); err != nil {
+			return nil, nil, 0, fmt.Errorf("dead-letter topic: %w", err)
+		}
+	}
+	run := func(pool dbx.Beginner, q dbx.Querier) error {
+		var err error
+		if store, err = s.stores.store(ctx, pool, q, topic, s.config.InitializeSchema); err != nil {
+			return err
+		}
+		if dlq, err = s.deadLetterStore(ctx, pool, q, topic); err != nil {
+			return fmt.Errorf("dead-letter topic: %w", err)
+		}
+		if groupID, err = store.EnsureGroup(ctx, q, s.config.ConsumerGroup, s.config.StartAtNewest); err != nil {
+			return fmt.Errorf("consumer group %q: %w", s.config.ConsumerGroup, err)
+		}
+		return nil
+	}
+	if s.config.InitializeSchema || s.db.Dialect().InProcess {
+		err = run(s.db, s.db)
+	} else {
+		err = dbx.InTx(ctx, s.db, func(tx dbx.Tx) error {
+			if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"); err != nil {
+				return err
+			}
+			return run(nil, tx)
+		})
+	}
+	return store, dlq, groupID, err
 }
 
 // stopSubscriptions stops every subscription as a cancel of its context would: claiming

@@ -9,7 +9,6 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
-	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -34,6 +33,8 @@ type bench struct {
 
 	base     float64 // scenarios 8, 9: the database's transactions per second with nothing subscribed
 	baseDone bool
+
+	round int // the round running now, from 0 (runScenarios)
 }
 
 func newBench(ctx context.Context, cfg *config) (*bench, error) {
@@ -147,6 +148,8 @@ func (b *bench) describe() {
 	}
 	fmt.Printf("- command: %s\n", strings.Join(os.Args, " "))
 	c := b.cfg
+	fmt.Printf("- rounds: %d, interleaved: each scenario runs once for every contender (%s, in this order) in each round; a figure is the median over the rounds, a ratio the median of the rounds' ratios with their range (min-max)\n",
+		c.rounds, contenderList(c.contenders))
 	fmt.Printf("- sizes: payload %d B, pool %d conns per contender, drain %d, slow backlog %d over %s (handler %s), "+
 		"instances MaxInFlight %d, latency %d msg/s for %s, publish %d batched + %d single (%d goroutines), memory %d (cap %s), raw %d + %d single\n",
 		c.payloadSize, c.poolSize, c.drainN, c.slowBacklog, c.slowDuration, c.slowHandler, c.instInFlight,
@@ -175,55 +178,110 @@ func memTotal() string {
 
 type scenarioFunc func(ctx context.Context, b *bench, c contender) error
 
-var scenarioFuncs = map[int]scenarioFunc{
-	1:  scenarioDrain,
-	2:  scenarioSlow,
-	3:  scenarioInstances,
-	4:  scenarioLatency,
-	5:  scenarioPublish,
-	6:  scenarioMemory,
-	7:  scenarioRaw,
-	8:  scenarioIdle,
-	9:  scenarioMany,
-	10: scenarioGroup,
-	11: scenarioHold,
+// scenario is one scenario of the run: its number and name (either selects it with
+// -scenarios), whether it runs without being named, and what it runs for one contender.
+type scenario struct {
+	id        int
+	name      string
+	byDefault bool
+	run       scenarioFunc
 }
 
-// runScenarios runs every selected scenario for every contender. A contender's failure is
-// recorded in the table and the run goes on; only the run's own deadline stops it.
-func (b *bench) runScenarios(ctx context.Context) error {
-	var ids []int
-	for id := range b.cfg.scenarios {
-		ids = append(ids, id)
+// scenarios is every scenario, in the order they run.
+var scenarios = []scenario{
+	{1, "drain", true, scenarioDrain},
+	{2, "slow", true, scenarioSlow},
+	{3, "instances", true, scenarioInstances},
+	{4, "latency", true, scenarioLatency},
+	{5, "publish", true, scenarioPublish},
+	{6, "memory", true, scenarioMemory},
+	{7, "raw", true, scenarioRaw},
+	{8, "idle", false, scenarioIdle},
+	{9, "many", false, scenarioMany},
+	{10, "group", false, scenarioGroup},
+	{11, "hold", false, scenarioHold},
+}
+
+// scenarioBy finds a scenario by its number or its name.
+func scenarioBy(s string) (scenario, bool) {
+	for _, sc := range scenarios {
+		if s == sc.name || s == fmt.Sprint(sc.id) {
+			return sc, true
+		}
 	}
-	sort.Ints(ids)
+	return scenario{}, false
+}
+
+// scenarioList is "1 drain, 2 slow, ...", for flag help and errors.
+func scenarioList() string {
+	parts := make([]string, len(scenarios))
+	for i, sc := range scenarios {
+		parts[i] = fmt.Sprintf("%d %s", sc.id, sc.name)
+	}
+	return strings.Join(parts, ", ")
+}
+
+// runScenarios runs every selected scenario in -rounds interleaved rounds: a round runs the
+// scenario once for every contender, one after the other (A, B, A, B, ...), so that what the
+// machine does meanwhile weighs on every contender alike, and the ratios of a round compare
+// runs minutes apart at most. A contender's failure is recorded in the table and the run goes
+// on; only the run's own deadline stops it.
+func (b *bench) runScenarios(ctx context.Context) error {
 	var errs []error
-	for _, id := range ids {
-		for _, c := range b.cfg.contenders {
-			if err := ctx.Err(); err != nil {
-				return errors.Join(append(errs, context.Cause(ctx))...)
-			}
-			b.logf("scenario %d, %s: start", id, c)
-			start := time.Now()
-			err := scenarioFuncs[id](ctx, b, c)
-			switch {
-			case err == nil:
-				b.logf("scenario %d, %s: done in %s", id, c, time.Since(start).Round(time.Millisecond))
-			case errors.Is(err, errNA):
-				b.logf("scenario %d, %s: n/a: %v", id, c, err)
-				b.results.markScenario(id, c, "n/a")
-				b.results.note(fmt.Sprintf("%s, scenario %d: n/a: %v", c, id, err))
-			default:
-				b.logf("scenario %d, %s: failed: %v", id, c, err)
-				b.results.failScenario(id, c, err)
-				errs = append(errs, fmt.Errorf("scenario %d, %s: %w", id, c, err))
-			}
-			if b.cfg.traceSQL {
-				if t := sqlTracer.report(c.appName(), fmt.Sprintf("%s, scenario %d", c, id), time.Since(start)); t != "" {
-					b.addTrace(t)
+	for _, sc := range scenarios {
+		if !b.cfg.scenarios[sc.id] {
+			continue
+		}
+		for round := range b.cfg.rounds {
+			b.round = round
+			b.results.startRound(round)
+			for _, c := range b.cfg.contenders {
+				if err := ctx.Err(); err != nil {
+					return errors.Join(append(errs, context.Cause(ctx))...)
+				}
+				what := fmt.Sprintf("scenario %d, round %d, %s", sc.id, round+1, c)
+				b.logf("%s: start", what)
+				start := time.Now()
+				err := sc.run(ctx, b, c)
+				switch {
+				case err == nil:
+					b.logf("%s: done in %s", what, time.Since(start).Round(time.Millisecond))
+				case errors.Is(err, errNA):
+					b.logf("%s: n/a: %v", what, err)
+					b.results.markScenario(sc.id, c, "n/a")
+					b.results.note(fmt.Sprintf("%s, scenario %d: n/a: %v", c, sc.id, err))
+				default:
+					b.logf("%s: failed: %v", what, err)
+					b.results.failScenario(sc.id, c, err)
+					errs = append(errs, fmt.Errorf("%s: %w", what, err))
+				}
+				if b.cfg.traceSQL {
+					if t := sqlTracer.report(c.appName(), what, time.Since(start)); t != "" {
+						b.addTrace(t)
+					}
 				}
 			}
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// roundTitle is title with the round running now, when there are several.
+func (b *bench) roundTitle(title string) string {
+	if b.cfg.rounds > 1 {
+		return fmt.Sprintf("%s, round %d", title, b.round+1)
+	}
+	return title
+}
+
+// firstRound reports whether the round running now is the first: what is printed once per
+// scenario and contender (a claim's plan, a CPU profile) comes from it.
+func (b *bench) firstRound() bool { return b.round == 0 }
+
+func contenderList(cs []contender) string {
+	names := make([]string, len(cs))
+	for i, c := range cs {
+		names[i] = c.String()
+	}
+	return strings.Join(names, ", ")
 }

@@ -4,7 +4,9 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"math"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -46,10 +48,11 @@ type idleEnv struct {
 	subs []message.Subscriber
 }
 
-func openIdleEnv(ctx context.Context, cfg *config, c contender, d driver) (*idleEnv, error) {
+// openIdleEnv opens the pool on url: the server's, or the transaction-counting proxy's.
+func openIdleEnv(ctx context.Context, cfg *config, url string, c contender, d driver) (*idleEnv, error) {
 	e := &idleEnv{c: c, d: d}
 	if d == viaStdSQL {
-		db, err := sql.Open("postgres", stdURL(cfg.url, c.appName()))
+		db, err := sql.Open("postgres", stdURL(url, c.appName()))
 		if err != nil {
 			return nil, err
 		}
@@ -62,7 +65,7 @@ func openIdleEnv(ctx context.Context, cfg *config, c contender, d driver) (*idle
 		e.std = db
 		return e, nil
 	}
-	pc, err := pgxpool.ParseConfig(cfg.url)
+	pc, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("-url: %w", err)
 	}
@@ -232,26 +235,47 @@ func (b *bench) createTopics(ctx context.Context, c contender, scenario string, 
 // idleFigures is what n idle subscriptions of one contender and driver cost.
 type idleFigures struct {
 	n          int
-	txPerSec   float64 // the database's transactions per second, less the baseline
+	txPerSec   float64 // steady: transactions per second over the window
+	startup    float64 // transactions of the start (see idleRun), less the steady rate over as long
+	source     string  // where the transactions were counted
 	conns      int     // the contender's backends in pg_stat_activity
 	goroutines int     // goroutines added
 	heapMiB    float64 // HeapInuse added, after a GC
 }
 
-// idleRun subscribes to every topic with one Subscriber of c over driver d, waits for the
-// subscriptions to settle, and measures what they cost while nothing is published.
-func (b *bench) idleRun(ctx context.Context, c contender, d driver, topics []string) (idleFigures, error) {
-	f := idleFigures{n: len(topics)}
-	base, err := b.baseline(ctx)
-	if err != nil {
-		return f, err
+// secondsOf is d in whole seconds, rounded up.
+func secondsOf(d time.Duration) int { return int(math.Ceil(d.Seconds())) }
+
+// idleRun subscribes to every topic with one Subscriber of c over driver d and counts the
+// transactions the subscriptions cost, second by second from the first Subscribe: while they
+// start, through -idle-settle, then over -idle-window, their steady rate while nothing is
+// published. With -idle-proxy they are counted exactly, at the protocol, on the contender's
+// own connections (txProxy); the database's count (pg_stat_database, less the baseline) is
+// printed beside it, and is what the figures use without the proxy.
+func (b *bench) idleRun(ctx context.Context, c contender, d driver, topics []string, scenario string) (idleFigures, error) {
+	f := idleFigures{n: len(topics), source: "pg_stat_database, less the baseline"}
+	var base float64
+	url := b.cfg.url
+	var proxy *txProxy
+	if b.cfg.idleProxy {
+		p, u, err := startTxProxy(b.cfg.url)
+		if err != nil {
+			return f, fmt.Errorf("-idle-proxy: %w", err)
+		}
+		defer p.close()
+		proxy, url, f.source = p, u, "counted at the protocol on the contender's connections"
+	} else {
+		var err error
+		if base, err = b.baseline(ctx); err != nil {
+			return f, err
+		}
 	}
 	runtime.GC()
 	var ms0 runtime.MemStats
 	runtime.ReadMemStats(&ms0)
 	g0 := runtime.NumGoroutine()
 
-	e, err := openIdleEnv(ctx, b.cfg, c, d)
+	e, err := openIdleEnv(ctx, b.cfg, url, c, d)
 	if err != nil {
 		return f, err
 	}
@@ -260,6 +284,40 @@ func (b *bench) idleRun(ctx context.Context, c contender, d driver, topics []str
 	if err != nil {
 		return f, err
 	}
+
+	// The database's count at every whole second from the first Subscribe.
+	var mu sync.Mutex
+	var db []int64
+	x0, err := b.xacts(ctx)
+	if err != nil {
+		return f, err
+	}
+	db = append(db, x0)
+	if proxy != nil {
+		proxy.reset()
+	}
+	t0 := time.Now()
+	sampleCtx, stopSampling := context.WithCancel(ctx)
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		for k := 1; ; k++ {
+			select {
+			case <-time.After(time.Until(t0.Add(time.Duration(k) * time.Second))):
+			case <-sampleCtx.Done():
+				return
+			}
+			x, err := b.xacts(sampleCtx)
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			db = append(db, x)
+			mu.Unlock()
+		}
+	}()
+	defer func() { stopSampling(); <-sampled }()
+
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	for _, t := range topics {
@@ -273,25 +331,100 @@ func (b *bench) idleRun(ctx context.Context, c contender, d driver, topics []str
 			}
 		}()
 	}
+	subscribing := time.Since(t0)
+	from := secondsOf(subscribing) + secondsOf(b.cfg.idleSettle) // the window, in whole seconds from t0
+	to := from + secondsOf(b.cfg.idleWindow)
 	select {
-	case <-time.After(b.cfg.idleSettle):
+	case <-time.After(time.Until(t0.Add(time.Duration(to) * time.Second))):
 	case <-ctx.Done():
 		return f, context.Cause(ctx)
 	}
-	rate, err := b.txRate(ctx, b.cfg.idleWindow)
-	if err != nil {
-		return f, err
+	readAll := func() bool { mu.Lock(); defer mu.Unlock(); return len(db) > to }
+	for deadline := time.Now().Add(5 * time.Second); !readAll() && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
 	}
-	f.txPerSec = max(rate-base, 0)
+	stopSampling()
+	<-sampled
+	mu.Lock()
+	defer mu.Unlock()
+	if len(db) <= to {
+		return f, fmt.Errorf("the database's transaction count was read %d times in %d s", len(db), to)
+	}
+
+	// Second by second, from the first Subscribe.
+	perDB := make([]int64, to)
+	for k := range perDB {
+		perDB[k] = db[k+1] - db[k]
+	}
+	var perProxy []int64
+	if proxy != nil {
+		perProxy = make([]int64, to)
+		for k := range perProxy {
+			perProxy[k] = int64(proxy.between(time.Duration(k)*time.Second, time.Duration(k+1)*time.Second))
+		}
+	}
+	count := func(a, z int) float64 { // transactions in seconds [a, z) of the source the figures use
+		var n int64
+		for k := a; k < z; k++ {
+			if perProxy != nil {
+				n += perProxy[k]
+			} else {
+				n += perDB[k]
+			}
+		}
+		if perProxy == nil {
+			return float64(n) - base*float64(z-a)
+		}
+		return float64(n)
+	}
+	f.txPerSec = max(count(from, to)/float64(to-from), 0)
+	// The start: counted at the protocol, up to 2 s after the last Subscribe returned (the
+	// claims that follow it have run by then, and no subscription polls by itself before
+	// 22 s); from the database's count, up to the window, as backends report late.
+	upTo := from
+	if perProxy != nil {
+		upTo = min(secondsOf(subscribing)+2, from)
+	}
+	f.startup = count(0, upTo) - f.txPerSec*float64(upTo)
+	b.addTrace(idleSeries(b.roundTitle(fmt.Sprintf("%s, scenario %s, %s, %d subscriptions", c, scenario, d, f.n)),
+		subscribing, from, perProxy, perDB))
+
 	_ = b.admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, c.appName()).Scan(&f.conns)
 	runtime.GC()
 	var ms1 runtime.MemStats
 	runtime.ReadMemStats(&ms1)
 	f.goroutines = runtime.NumGoroutine() - g0
 	f.heapMiB = float64(int64(ms1.HeapInuse)-int64(ms0.HeapInuse)) / (1 << 20)
-	b.logf("  %s over %s: %d subscriptions: %.1f tx/s, %d connections, %d goroutines, %.1f MiB heap",
-		c, d, f.n, f.txPerSec, f.conns, f.goroutines, f.heapMiB)
+	b.logf("  %s over %s: %d subscriptions: %.0f transactions to start, then %.1f tx/s, %d connections, %d goroutines, %.1f MiB heap",
+		c, d, f.n, f.startup, f.txPerSec, f.conns, f.goroutines, f.heapMiB)
 	return f, nil
+}
+
+// idleSeries prints the transactions of an idle run second by second from the first
+// Subscribe: counted at the protocol on the contender's connections (exact, and when each
+// ended), and as the database reports them (every client's, up to 10 s late).
+func idleSeries(title string, subscribing time.Duration, window int, perProxy, perDB []int64) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "Transactions per second from the first Subscribe, %s (subscribing took %.1f s; the steady window starts at second %d):\n\n```\n",
+		title, subscribing.Seconds(), window+1)
+	row := func(label string, vs []int64) {
+		fmt.Fprintf(&b, "%-18s", label)
+		for _, v := range vs {
+			fmt.Fprintf(&b, " %5d", v)
+		}
+		b.WriteString("\n")
+	}
+	secs := make([]int64, len(perDB))
+	for i := range secs {
+		secs[i] = int64(i + 1)
+	}
+	row("second", secs)
+	if perProxy != nil {
+		row("protocol", perProxy)
+	}
+	row("pg_stat_database", perDB)
+	b.WriteString("```\n")
+	return b.String()
 }
 
 // Scenario 8: transactions per second that idle subscriptions cost the database, per
@@ -310,16 +443,18 @@ func scenarioIdle(ctx context.Context, b *bench, c contender) error {
 		return err
 	}
 	for _, d := range []driver{viaPgx, viaStdSQL} {
-		f, err := b.idleRun(ctx, c, d, topics)
+		f, err := b.idleRun(ctx, c, d, topics, "8")
 		if err != nil {
 			return fmt.Errorf("%s: %w", d, err)
 		}
-		row := "8a"
+		rows := [2]string{"8a", "8c"}
 		if d == viaStdSQL {
-			row = "8b"
+			rows = [2]string{"8b", "8d"}
 		}
-		b.results.set(row, c, f.txPerSec/float64(n))
-		b.results.note(fmt.Sprintf("%s, scenario 8, %s: %d idle subscriptions, %.1f tx/s in all", c, d, n, f.txPerSec))
+		b.results.set(rows[0], c, f.txPerSec/float64(n))
+		b.results.set(rows[1], c, f.startup/float64(n))
+		b.results.note(fmt.Sprintf("%s, scenario 8, %s: %d idle subscriptions, %.0f transactions to start, then %.1f tx/s in all (%s)",
+			c, d, n, f.startup, f.txPerSec, f.source))
 	}
 	return nil
 }
@@ -342,7 +477,7 @@ func scenarioMany(ctx context.Context, b *bench, c contender) error {
 	}
 	b.logf("  %s: %d topics created in %s", c, n, time.Since(start).Round(time.Millisecond))
 	for _, d := range []driver{viaPgx, viaStdSQL} {
-		f, err := b.idleRun(ctx, c, d, topics)
+		f, err := b.idleRun(ctx, c, d, topics, "9")
 		if err != nil {
 			return fmt.Errorf("%s: %w", d, err)
 		}
@@ -355,8 +490,8 @@ func scenarioMany(ctx context.Context, b *bench, c contender) error {
 		b.results.set(rows[1], c, float64(f.goroutines)/per)
 		b.results.set(rows[2], c, f.heapMiB*1024/per)
 		b.results.set(rows[3], c, f.txPerSec/per)
-		b.results.note(fmt.Sprintf("%s, scenario 9, %s: %d subscriptions: %d connections, %d goroutines, %.1f MiB heap, %.1f tx/s in all",
-			c, d, n, f.conns, f.goroutines, f.heapMiB, f.txPerSec))
+		b.results.note(fmt.Sprintf("%s, scenario 9, %s: %d subscriptions: %d connections, %d goroutines, %.1f MiB heap, %.0f transactions to start, then %.1f tx/s in all (%s)",
+			c, d, n, f.conns, f.goroutines, f.heapMiB, f.startup, f.txPerSec, f.source))
 	}
 	return nil
 }

@@ -3,6 +3,13 @@
 // settings) on one PostgreSQL, in one run, and prints every figure with its ratio to
 // watermill-sql's figure from the same run. On a noisy machine only such ratios hold.
 //
+// Each scenario runs in -rounds interleaved rounds (5 by default): a round runs it once for
+// every contender, one after the other (A, B, A, B, ...), so that whatever else the machine
+// does weighs on all of them alike. The table shows each figure's median over the rounds and
+// each ratio's median over the rounds' own ratios, with their range (min-max); a * marks a
+// range with 1x inside it, a row where neither side leads. The SVG chart draws the medians,
+// with the range as a whisker.
+//
 // The contender "sqlite" is the library on SQLite (modernc.org/sqlite, lease mode): a fresh
 // database file per scenario in -sqlite-dir, opened with sqlbroker.Open on a sqlite: URL as a
 // program would. Its figures are not compared with watermill-sql's (another database); row 7e
@@ -24,8 +31,9 @@
 //  6. memory:    peak heap while a large backlog drains, and EXPLAIN of the claim at that size
 //  7. raw:       the library's own insert and claim+ack statements in a tight loop, without
 //     Watermill or the library's goroutines
-//  8. idle:      transactions per second that idle subscriptions (one topic each, nothing
-//     published) cost the database, per subscription, through pgx and database/sql
+//  8. idle:      transactions that idle subscriptions (one topic each, nothing published) cost
+//     the database, through pgx and database/sql: per second from the first Subscribe,
+//     what starting them cost beyond the steady rate, and the steady rate per subscription
 //  9. many:      a thousand idle subscriptions in one process: connections, goroutines, heap
 //     and transactions per second
 //  10. group:    one consumer group with 1, 2, 4 and 8 consumers (a pool each), no-op
@@ -34,9 +42,12 @@
 //     Retention set, while a REPEATABLE READ transaction holds vacuum back: rates, lag and
 //     index entries read per scan, second by second, and a summary of the hold
 //
-// Scenarios 1-7 run by default; 8-11 when named. Scenarios 8 and 9 read the transaction count
-// of the whole database (pg_stat_database): point -url at a database nothing else uses; they
-// do not apply to SQLite.
+// Scenarios 1-7 run by default; 8-11 when named. Scenarios 8 and 9 count each contender's
+// transactions at the protocol, through a local proxy that sees every ReadyForQuery its
+// connections receive (-idle-proxy); they also print, second by second, the transaction count
+// of the whole database (pg_stat_database), which backends report up to 10 s late. With
+// -idle-proxy=false their figures come from that count, less a baseline: point -url at a
+// database nothing else uses. They do not apply to SQLite.
 //
 // Every topic gets a unique name and every table created is dropped at the end.
 package main
@@ -60,6 +71,7 @@ type config struct {
 	svgPath       string
 	cpuProfile    string
 	scenarios     map[int]bool
+	rounds        int
 	contenders    []contender
 	verbose       bool
 	traceSQL      bool
@@ -86,6 +98,7 @@ type config struct {
 	idleLockSubs    int           // 8, 9
 	idleWindow      time.Duration // 8, 9
 	idleSettle      time.Duration // 8, 9
+	idleProxy       bool          // 8, 9
 	manySubs        int           // 9
 	groupBacklog    int           // 10
 	groupWindow     time.Duration // 10
@@ -98,11 +111,6 @@ type config struct {
 	holdRetention   time.Duration // 11
 }
 
-var scenarioNames = map[string]int{
-	"drain": 1, "slow": 2, "instances": 3, "latency": 4, "publish": 5, "memory": 6, "raw": 7,
-	"idle": 8, "many": 9, "group": 10, "hold": 11,
-}
-
 func main() {
 	if err := run(); err != nil {
 		fmt.Fprintln(os.Stderr, "sqlbroker-bench:", err)
@@ -113,7 +121,14 @@ func main() {
 func parseFlags() (*config, error) {
 	c := &config{}
 	quick := flag.Bool("quick", false, "CI-sized run: small backlogs and short durations (explicit size flags still win)")
-	scen := flag.String("scenarios", "1,2,3,4,5,6,7", "scenarios to run, by number or name (drain,slow,instances,latency,publish,memory,raw,idle,many,group,hold)")
+	var defaults []string
+	for _, sc := range scenarios {
+		if sc.byDefault {
+			defaults = append(defaults, fmt.Sprint(sc.id))
+		}
+	}
+	scen := flag.String("scenarios", strings.Join(defaults, ","), "scenarios to run, by number or name ("+scenarioList()+")")
+	flag.IntVar(&c.rounds, "rounds", 5, "interleaved rounds: each scenario runs this many times for every contender, one contender after the other; the table shows each figure's median, and each ratio's median and range over the rounds")
 	cont := flag.String("contenders", "lease,advisory,watermill-sql,sqlite", "contenders to run (lease, advisory, watermill-sql, sqlite)")
 	flag.StringVar(&c.sqliteDir, "sqlite-dir", os.TempDir(), "the sqlite contender's database files go in a new directory inside this one (local disk: not a tmpfs, or commits cost nothing)")
 	flag.StringVar(&c.url, "url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL")
@@ -144,7 +159,8 @@ func parseFlags() (*config, error) {
 	flag.IntVar(&c.idleSubs, "idle-subs", 100, "scenario 8: idle subscriptions, one topic each")
 	flag.IntVar(&c.idleLockSubs, "idle-lock-subs", 40, "scenarios 8, 9: idle subscriptions of the advisory mode (each holds a connection)")
 	flag.DurationVar(&c.idleWindow, "idle-window", 10*time.Second, "scenarios 8, 9: window over which transactions are counted")
-	flag.DurationVar(&c.idleSettle, "idle-settle", 15*time.Second, "scenarios 8, 9: wait after subscribing before counting (a backend reports the transactions it ran before going idle up to 10 s late)")
+	flag.DurationVar(&c.idleSettle, "idle-settle", 15*time.Second, "scenarios 8, 9: after subscribing, how long the start lasts before the steady window (pg_stat_database: a backend reports the transactions it ran before going idle up to 10 s late)")
+	flag.BoolVar(&c.idleProxy, "idle-proxy", true, "scenarios 8, 9: count each contender's transactions exactly, at the protocol, through a local proxy (plain TCP to the server, sslmode=disable); false: read pg_stat_database, the whole database's count, less a baseline")
 	flag.IntVar(&c.manySubs, "many-subs", 1000, "scenario 9: idle subscriptions in one process, one topic each")
 	flag.IntVar(&c.groupBacklog, "group-backlog", 300_000, "scenario 10: backlog published before each run")
 	flag.DurationVar(&c.groupWindow, "group-window", 10*time.Second, "scenario 10: timed window")
@@ -193,15 +209,11 @@ func parseFlags() (*config, error) {
 		if s == "" {
 			continue
 		}
-		if n, ok := scenarioNames[s]; ok {
-			c.scenarios[n] = true
-			continue
+		sc, ok := scenarioBy(s)
+		if !ok {
+			return nil, fmt.Errorf("-scenarios: %q is not a scenario (%s)", s, scenarioList())
 		}
-		var n int
-		if _, err := fmt.Sscanf(s, "%d", &n); err != nil || scenarioFuncs[n] == nil {
-			return nil, fmt.Errorf("-scenarios: %q is not a scenario (1-11 or drain,slow,instances,latency,publish,memory,raw,idle,many,group,hold)", s)
-		}
-		c.scenarios[n] = true
+		c.scenarios[sc.id] = true
 	}
 	for _, s := range strings.Split(*cont, ",") {
 		s = strings.TrimSpace(s)
@@ -215,7 +227,7 @@ func parseFlags() (*config, error) {
 		c.contenders = append(c.contenders, k)
 	}
 	positive := map[string]int{
-		"pool": c.poolSize, "payload": c.payloadSize, "n": c.drainN, "slow-backlog": c.slowBacklog,
+		"rounds": c.rounds, "pool": c.poolSize, "payload": c.payloadSize, "n": c.drainN, "slow-backlog": c.slowBacklog,
 		"instances-inflight": c.instInFlight, "latency-rate": c.latencyRate, "publish-n": c.publishBatchN,
 		"publish-single-n": c.publishSingleN, "publish-workers": c.publishWorkers, "memory-n": c.memoryN,
 		"raw-n": c.rawN, "raw-single-n": c.rawSingleN,
@@ -270,7 +282,7 @@ func run() error {
 	}
 
 	fmt.Println(b.results.markdown(cfg.contenders))
-	for _, n := range b.results.notes {
+	for _, n := range b.results.noteLines(cfg.rounds) {
 		fmt.Println("- " + n)
 	}
 	if len(b.plans) > 0 {
@@ -284,7 +296,7 @@ func run() error {
 		fmt.Println(t)
 	}
 	if cfg.svgPath != "" {
-		if err := os.WriteFile(cfg.svgPath, []byte(b.results.svg(cfg.contenders)), 0o644); err != nil {
+		if err := os.WriteFile(cfg.svgPath, []byte(b.results.svg(cfg.contenders, cfg.rounds)), 0o644); err != nil {
 			return errors.Join(runErr, fmt.Errorf("-svg: %w", err))
 		}
 		fmt.Fprintln(os.Stderr, "chart written to", cfg.svgPath)

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"html"
 	"math"
+	"sort"
 	"strings"
 	"sync"
 )
@@ -53,6 +54,8 @@ func rowDefs(c *config) []rowDef {
 		{"7e", 7, fmt.Sprintf("  drain %s (row 1) / raw claim+ack (row 7c)", n(c.drainN)), "x", false},
 		{"8a", 8, fmt.Sprintf("idle, %d subscriptions (advisory %d), pgx: per subscription", c.idleSubs, c.idleLockSubs), "tx/s", true},
 		{"8b", 8, fmt.Sprintf("idle, %d subscriptions (advisory %d), database/sql: per subscription", c.idleSubs, c.idleLockSubs), "tx/s", true},
+		{"8c", 8, "  start, pgx: transactions per subscription beyond the steady rate", "tx", true},
+		{"8d", 8, "  start, database/sql: transactions per subscription beyond the steady rate", "tx", true},
 		{"9a", 9, fmt.Sprintf("%d subscriptions (advisory %d), pgx: connections", c.manySubs, c.idleLockSubs), "conns", true},
 		{"9b", 9, "  goroutines per subscription", "", true},
 		{"9c", 9, "  heap per subscription", "KiB", true},
@@ -77,57 +80,131 @@ func rowDefs(c *config) []rowDef {
 	}
 }
 
-// cell is one figure, or why there is none.
+// cell is one row's figures of one contender: one per round that measured it, or why there is
+// none.
 type cell struct {
-	v    float64
-	ok   bool
-	text string // shown instead of a figure: "n/a", "error", "= lease"
+	byRound map[int]float64
+	text    string // shown when no round has a figure: "n/a", "error", "= lease"
 }
 
+// results holds every figure of the run, by row, contender and round. Scenarios run in rounds
+// (see runScenarios), and set the figures of the round running now.
 type results struct {
 	mu    sync.Mutex
-	cells map[string]map[contender]cell
-	notes []string
+	round int // the round running now, from 0
+	cells map[string]map[contender]*cell
+	notes []note
 	defs  []rowDef
 }
 
+// note is a remark on the run; the same text from several rounds is printed once.
+type note struct {
+	text   string
+	rounds []int
+}
+
+func (r *results) cellOf(id string, c contender) *cell {
+	if r.cells == nil {
+		r.cells = map[string]map[contender]*cell{}
+	}
+	if r.cells[id] == nil {
+		r.cells[id] = map[contender]*cell{}
+	}
+	x := r.cells[id][c]
+	if x == nil {
+		x = &cell{byRound: map[int]float64{}}
+		r.cells[id][c] = x
+	}
+	return x
+}
+
+// startRound makes the figures set from now on those of round n.
+func (r *results) startRound(n int) {
+	r.mu.Lock()
+	r.round = n
+	r.mu.Unlock()
+}
+
+// set records c's figure of row id in the current round.
 func (r *results) set(id string, c contender, v float64) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.cells == nil {
-		r.cells = map[string]map[contender]cell{}
-	}
-	if r.cells[id] == nil {
-		r.cells[id] = map[contender]cell{}
-	}
-	r.cells[id][c] = cell{v: v, ok: true}
+	r.cellOf(id, c).byRound[r.round] = v
 }
 
+// setText says why c has no figure in row id, unless it has one already (or a reason).
 func (r *results) setText(id string, c contender, text string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.cells == nil {
-		r.cells = map[string]map[contender]cell{}
-	}
-	if r.cells[id] == nil {
-		r.cells[id] = map[contender]cell{}
-	}
-	if _, done := r.cells[id][c]; !done {
-		r.cells[id][c] = cell{text: text}
+	x := r.cellOf(id, c)
+	if len(x.byRound) == 0 && x.text == "" {
+		x.text = text
 	}
 }
 
-func (r *results) get(id string, c contender) (cell, bool) {
+// get is c's figure of row id in the current round.
+func (r *results) get(id string, c contender) (float64, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	x, ok := r.cells[id][c]
-	return x, ok
+	x := r.cells[id][c]
+	if x == nil {
+		return 0, false
+	}
+	v, ok := x.byRound[r.round]
+	return v, ok
+}
+
+// rounds are c's figures of row id by round.
+func (r *results) rounds(id string, c contender) map[int]float64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	x := r.cells[id][c]
+	if x == nil {
+		return nil
+	}
+	out := make(map[int]float64, len(x.byRound))
+	for k, v := range x.byRound {
+		out[k] = v
+	}
+	return out
 }
 
 func (r *results) note(s string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.notes = append(r.notes, s)
+	for i := range r.notes {
+		if r.notes[i].text == s {
+			if rs := r.notes[i].rounds; rs[len(rs)-1] != r.round {
+				r.notes[i].rounds = append(rs, r.round)
+			}
+			return
+		}
+	}
+	r.notes = append(r.notes, note{text: s, rounds: []int{r.round}})
+}
+
+// noteLines are the notes to print; with several rounds, each says the rounds it comes from
+// unless it came from every one.
+func (r *results) noteLines(rounds int) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for _, n := range r.notes {
+		if rounds <= 1 || len(n.rounds) == rounds {
+			out = append(out, n.text)
+			continue
+		}
+		rs := make([]string, len(n.rounds))
+		for i, x := range n.rounds {
+			rs[i] = fmt.Sprint(x + 1)
+		}
+		word := "round"
+		if len(rs) > 1 {
+			word = "rounds"
+		}
+		out = append(out, fmt.Sprintf("%s %s: %s", word, strings.Join(rs, ", "), n.text))
+	}
+	return out
 }
 
 // markScenario fills every row of scenario id that c has no figure for with text.
@@ -156,27 +233,69 @@ func formatValue(v float64) string {
 }
 
 func formatRatio(v float64) string {
+	return formatRatioNumber(v) + "x"
+}
+
+func formatRatioNumber(v float64) string {
 	switch {
 	case v >= 10:
-		return fmt.Sprintf("%.0fx", v)
+		return fmt.Sprintf("%.0f", v)
 	case v >= 0.1:
-		return fmt.Sprintf("%.2fx", v)
+		return fmt.Sprintf("%.2f", v)
 	default:
-		return fmt.Sprintf("%.3fx", v)
+		return fmt.Sprintf("%.3f", v)
 	}
 }
 
-// derive fills the rows computed from others of the same run: 7e, how much of the raw limit of
-// its own claim and settle statements (7c) a contender's end-to-end drain (1) reaches.
+// median of vs, which it sorts; the mean of the middle two for an even count.
+func median(vs []float64) float64 {
+	sort.Float64s(vs)
+	n := len(vs)
+	if n%2 == 1 {
+		return vs[n/2]
+	}
+	return (vs[n/2-1] + vs[n/2]) / 2
+}
+
+// stats are the median and the range (min, max) of figures over rounds.
+type stats struct {
+	med, lo, hi float64
+	n           int
+}
+
+func statsOf(vs []float64) (stats, bool) {
+	if len(vs) == 0 {
+		return stats{}, false
+	}
+	vs = append([]float64(nil), vs...)
+	m := median(vs) // sorts
+	return stats{med: m, lo: vs[0], hi: vs[len(vs)-1], n: len(vs)}, true
+}
+
+// value is the median of c's figures of row id over the rounds.
+func (r *results) value(id string, c contender) (stats, bool) {
+	var vs []float64
+	for _, v := range r.rounds(id, c) {
+		vs = append(vs, v)
+	}
+	return statsOf(vs)
+}
+
+// derive fills the rows computed from others of the same run, round by round: 7e, how much
+// of the raw limit of its own claim and settle statements (7c) a contender's end-to-end drain
+// (1) reaches. Round n of one scenario is paired with round n of the other.
 func (r *results) derive(cs []contender) {
 	for _, c := range cs {
 		if !c.isLibrary() {
 			continue
 		}
-		d, ok1 := r.get("1", c)
-		raw, ok2 := r.get("7c", c)
-		if ok1 && ok2 && d.ok && raw.ok && raw.v > 0 {
-			r.set("7e", c, d.v/raw.v)
+		d, raw := r.rounds("1", c), r.rounds("7c", c)
+		for k, dv := range d {
+			if rv, ok := raw[k]; ok && rv > 0 {
+				r.mu.Lock()
+				r.cellOf("7e", c).byRound[k] = dv / rv
+				r.mu.Unlock()
+			}
 		}
 	}
 }
@@ -187,8 +306,10 @@ func (r *results) derive(cs []contender) {
 func (c contender) comparedWithPeer() bool { return c.isLibrary() && !c.onSQLite() }
 
 // markdown renders the table: every library figure on PostgreSQL beside its ratio to
-// watermill-sql's figure in the same run (value / watermill-sql's value, whatever the
-// direction of the unit).
+// watermill-sql's figure (value / watermill-sql's value, whatever the direction of the unit).
+// A figure is the median over the rounds; a ratio is the median of the ratios of each round
+// (the two contenders ran one after the other in it), with their range, min to max. A range
+// that has 1x inside it is marked: the row shows no lead either way.
 func (r *results) markdown(cs []contender) string {
 	var b strings.Builder
 	var libs []contender
@@ -248,44 +369,60 @@ func (r *results) hasRow(id string) bool {
 	return len(r.cells[id]) > 0
 }
 
+// show is c's figure of row id: the median over the rounds.
 func (r *results) show(id string, c contender) string {
-	x, ok := r.get(id, c)
-	switch {
-	case !ok:
-		return "-"
-	case x.ok:
-		return formatValue(x.v)
-	default:
+	if st, ok := r.value(id, c); ok {
+		return formatValue(st.med)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if x := r.cells[id][c]; x != nil && x.text != "" {
 		return x.text
-	}
-}
-
-// ratioValue is c's figure over watermill-sql's for row id.
-func (r *results) ratioValue(id string, c contender) (float64, bool) {
-	x, ok1 := r.get(id, c)
-	p, ok2 := r.get(id, watermillSQL)
-	if !ok1 || !ok2 || !x.ok || !p.ok || p.v == 0 {
-		return 0, false
-	}
-	return x.v / p.v, true
-}
-
-func (r *results) ratio(id string, c contender) string {
-	if v, ok := r.ratioValue(id, c); ok {
-		return formatRatio(v)
 	}
 	return "-"
 }
 
+// ratioStats are the median and range of c's figure over watermill-sql's for row id, each
+// round's figures divided by each other.
+func (r *results) ratioStats(id string, c contender) (stats, bool) {
+	mine, peer := r.rounds(id, c), r.rounds(id, watermillSQL)
+	var vs []float64
+	for k, v := range mine {
+		if p, ok := peer[k]; ok && p != 0 {
+			vs = append(vs, v/p)
+		}
+	}
+	return statsOf(vs)
+}
+
+// ratio is "median" with one round, "median (min-max)" with more, and a * when the range has
+// 1x inside it.
+func (r *results) ratio(id string, c contender) string {
+	st, ok := r.ratioStats(id, c)
+	if !ok {
+		return "-"
+	}
+	if st.n == 1 {
+		return formatRatio(st.med)
+	}
+	mark := ""
+	if st.lo < 1 && st.hi > 1 {
+		mark = " *"
+	}
+	return fmt.Sprintf("%s (%s-%s)%s", formatRatio(st.med), formatRatioNumber(st.lo), formatRatioNumber(st.hi), mark)
+}
+
 // svg draws, for every row, each claim mode's figure over watermill-sql's figure in the same
-// run: the ratio of the table's last columns, in the same direction (never inverted), on a log
-// scale with watermill-sql at 1x. Every row says which side is better, so a bar to the left of
-// 1x is the library ahead on a lower-is-better row. A ratio beyond the axis is drawn to the axis
-// end with an arrow, and its true value is written beside it. Hand-written SVG: no dependency.
-func (r *results) svg(cs []contender) string {
+// run: the ratio of the table's last columns (the median over the rounds), in the same
+// direction (never inverted), on a log scale with watermill-sql at 1x, with a whisker over
+// the range of the rounds' ratios. Every row says which side is better, so a bar to the left
+// of 1x is the library ahead on a lower-is-better row. A ratio beyond the axis is drawn to the
+// axis end with an arrow, and its true value is written beside it. Hand-written SVG: no
+// dependency.
+func (r *results) svg(cs []contender, rounds int) string {
 	type bar struct {
 		c     contender
-		ratio float64
+		ratio stats
 		raw   string
 	}
 	type line struct {
@@ -299,11 +436,11 @@ func (r *results) svg(cs []contender) string {
 			if !c.comparedWithPeer() {
 				continue
 			}
-			v, ok := r.ratioValue(d.id, c)
-			if !ok || v <= 0 {
+			st, ok := r.ratioStats(d.id, c)
+			if !ok || st.lo <= 0 {
 				continue
 			}
-			bars = append(bars, bar{c: c, ratio: v, raw: fmt.Sprintf("%s vs %s %s", r.show(d.id, c), r.show(d.id, watermillSQL), d.unit)})
+			bars = append(bars, bar{c: c, ratio: st, raw: fmt.Sprintf("%s vs %s %s", r.show(d.id, c), r.show(d.id, watermillSQL), d.unit)})
 		}
 		if len(bars) > 0 {
 			better := "higher is better"
@@ -336,8 +473,8 @@ func (r *results) svg(cs []contender) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", width, height)
 	fmt.Fprintf(&b, `<rect width="100%%" height="100%%" fill="white"/>`+"\n")
-	fmt.Fprintf(&b, `<text x="%d" y="22" font-size="15" font-weight="bold">watermill-sqlbroker / watermill-sql (same run), log scale</text>`+"\n", leftPad)
-	fmt.Fprintf(&b, `<text x="%d" y="40" fill="#555">bar = library figure / watermill-sql figure, as in the table; the red line is watermill-sql (1x); an arrow marks a bar cut at the axis end, its true ratio written beside</text>`+"\n", leftPad)
+	fmt.Fprintf(&b, `<text x="%d" y="22" font-size="15" font-weight="bold">watermill-sqlbroker / watermill-sql (same run, %d interleaved rounds), log scale</text>`+"\n", leftPad, rounds)
+	fmt.Fprintf(&b, `<text x="%d" y="40" fill="#555">bar = median of the rounds' library figure / watermill-sql figure, as in the table; whisker = their range; red line = watermill-sql (1x); an arrow marks a bar cut at the axis end</text>`+"\n", leftPad)
 	lx := leftPad
 	for _, c := range cs {
 		if col, ok := colors[c]; ok {
@@ -361,7 +498,7 @@ func (r *results) svg(cs []contender) string {
 		fmt.Fprintf(&b, `<text x="%d" y="%d">%s</text>`+"\n", leftPad, y+blockH/2+4, html.EscapeString(l.label))
 		for i, br := range l.bars {
 			by := float64(y + i*barH)
-			lg := math.Log10(br.ratio)
+			lg := math.Log10(br.ratio.med)
 			clipped := lg > maxLog || lg < minLog
 			end := pos(math.Max(minLog, math.Min(maxLog, lg)))
 			x0, x1 := pos(0), end
@@ -371,6 +508,14 @@ func (r *results) svg(cs []contender) string {
 			col := colors[br.c]
 			fmt.Fprintf(&b, `<rect x="%.1f" y="%.0f" width="%.1f" height="%d" fill="%s"><title>%s: %s</title></rect>`+"\n",
 				x0, by+1, math.Max(x1-x0, 1), barH-2, col, br.c, html.EscapeString(br.raw))
+			if br.ratio.n > 1 {
+				clip := func(v float64) float64 { return pos(math.Max(minLog, math.Min(maxLog, math.Log10(v)))) }
+				wl, wh, wy := clip(br.ratio.lo), clip(br.ratio.hi), by+float64(barH)/2
+				fmt.Fprintf(&b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#222" stroke-width="1.5"/>`+"\n", wl, wy, wh, wy)
+				for _, wx := range []float64{wl, wh} {
+					fmt.Fprintf(&b, `<line x1="%.1f" y1="%.0f" x2="%.1f" y2="%.0f" stroke="#222" stroke-width="1.5"/>`+"\n", wx, by+3, wx, by+barH-3)
+				}
+			}
 			mark := ""
 			if clipped {
 				// An arrow head past the axis end, pointing the way the bar goes on.
@@ -385,10 +530,18 @@ func (r *results) svg(cs []contender) string {
 				mark += "clipped, "
 			}
 			fmt.Fprintf(&b, `<text x="%d" y="%.0f" font-size="10" fill="#333">%s%s (%s)</text>`+"\n",
-				labelW+plotW+12, by+barH-3, mark, formatRatio(br.ratio), html.EscapeString(br.raw))
+				labelW+plotW+12, by+barH-3, mark, ratioLabel(br.ratio), html.EscapeString(br.raw))
 		}
 		y += blockH + gap
 	}
 	b.WriteString("</svg>\n")
 	return b.String()
+}
+
+// ratioLabel is a ratio as the table shows it, without the mark.
+func ratioLabel(st stats) string {
+	if st.n == 1 {
+		return formatRatio(st.med)
+	}
+	return fmt.Sprintf("%s (%s-%s)", formatRatio(st.med), formatRatioNumber(st.lo), formatRatioNumber(st.hi))
 }

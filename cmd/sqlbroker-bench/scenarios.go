@@ -147,7 +147,7 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 	}
 	res.cpu = cpuBetween(before, snapCPU(ctx, b.admin, e.c.appName()))
 	if prof != nil {
-		b.addTrace(prof.finish(ctx, r.profile, res.handled, res.elapsed))
+		b.addTrace(prof.finish(ctx, b.roundTitle(r.profile), res.handled, res.elapsed))
 	}
 
 	_ = router.Close()
@@ -162,9 +162,10 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 	return res, waitErr
 }
 
-// profiled makes r write a CPU profile of its timed part to path, with -cpuprofile.
+// profiled makes r write a CPU profile of its timed part to path, with -cpuprofile, in the
+// first round.
 func (b *bench) profiled(r routerRun, path, what string) routerRun {
-	if b.cfg.cpuProfile == "" {
+	if b.cfg.cpuProfile == "" || !b.firstRound() {
 		return r
 	}
 	var stop func() error
@@ -190,7 +191,7 @@ func scenarioDrain(ctx context.Context, b *bench, c contender) error {
 	}
 	defer e.close()
 	defer b.dropTopic(c, topic)
-	if b.cfg.explain && c.isLibrary() && !c.onSQLite() {
+	if b.cfg.explain && b.firstRound() && c.isLibrary() && !c.onSQLite() {
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 1, %s, %d rows, group at the head", c, b.cfg.drainN), false)
 	}
 	if b.cfg.traceSQL {
@@ -219,8 +220,8 @@ func scenarioSlow(ctx context.Context, b *bench, c contender) error {
 		inFlight int
 	}{{"2a", 16}, {"2b", 256}} {
 		if c == watermillSQL && x.id == "2b" {
-			if v, ok := b.results.get("2a", c); ok && v.ok {
-				b.results.set("2b", c, v.v)
+			if v, ok := b.results.get("2a", c); ok {
+				b.results.set("2b", c, v)
 			}
 			continue
 		}
@@ -479,7 +480,7 @@ func scenarioPublish(ctx context.Context, b *bench, c contender) error {
 	batched := time.Since(start)
 	b.results.set("5a", c, rate(int64(len(msgs)), batched))
 	if prof != nil {
-		b.addTrace(prof.finish(ctx, fmt.Sprintf("%s, scenario 5a, %d messages in batches of 100", c, len(msgs)), int64(len(msgs)), batched))
+		b.addTrace(prof.finish(ctx, b.roundTitle(fmt.Sprintf("%s, scenario 5a, %d messages in batches of 100", c, len(msgs))), int64(len(msgs)), batched))
 	}
 	b.dropTopic(c, topic)
 
@@ -544,11 +545,11 @@ func scenarioMemory(ctx context.Context, b *bench, c contender) error {
 	}
 	defer e.close()
 	defer b.dropTopic(c, topic)
-	if b.cfg.explain && c.isLibrary() && !c.onSQLite() {
+	if b.cfg.explain && b.firstRound() && c.isLibrary() && !c.onSQLite() {
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 6, %s, %d rows, group at the head", c, b.cfg.memoryN), false)
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 6, %s, %d rows, group at the tail", c, b.cfg.memoryN), true)
 	}
-	if b.cfg.explain && c == watermillSQL {
+	if b.cfg.explain && b.firstRound() && c == watermillSQL {
 		b.explainPeer(ctx, topic, fmt.Sprintf("scenario 6, watermill-sql, %d rows, group at the head", b.cfg.memoryN))
 	}
 	var sampler *memSampler

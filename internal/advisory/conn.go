@@ -88,6 +88,13 @@ type Options struct {
 	OnLost func(offsets []int64)
 	// Logger logs losses, reconnects and bugs.
 	Logger watermill.LoggerAdapter
+	// Lazy lets Open return without a connection when a lock connection of the same pool has
+	// passed the session check before (in this process): the first statement that needs the
+	// connection (a claim, a try-lock, a query, Check) opens it then. Until that, the Conn
+	// holds no connection and nothing of the server, Run does not ping it, and Opened is
+	// false. On a bounded *sql.DB the room for the connection is held from Open on all the
+	// same, so that Open fails at once where it would fail later.
+	Lazy bool
 }
 
 // Conn is one session connection that holds the advisory locks of one consumer group's
@@ -114,15 +121,22 @@ type Conn struct {
 	held       map[int64]uint64
 	closed     bool
 	abandoned  bool // CloseContext gave up on a running statement: its end closes conn
+	opened     bool // a connection was open once (see Options.Lazy)
 	reconnects int
+	unreserve  func() // gives back the room held in a bounded pool (dbx.Reserver); nil without
 
 	closing chan struct{} // closed when CloseContext starts: Run returns at once
 
 	lastOK atomic.Int64 // UnixNano of the last statement that succeeded on the connection
 }
 
-// Open opens the lock connection and checks that it is a session connection of its own (A5).
-// ctx bounds the connect.
+// sessions are the pools whose lock connections passed the session check in this process:
+// the later lock connections of such a pool are only set up (see dial).
+var sessions dbx.PoolFacts
+
+// Open opens the lock connection and checks that it is a session connection of its own (A5),
+// or, with Options.Lazy on a pool whose sessions were checked already, returns without
+// opening it. ctx bounds the connect.
 func Open(ctx context.Context, pool dbx.Pool, opt Options) (*Conn, error) {
 	if opt.Logger == nil {
 		opt.Logger = watermill.NopLogger{}
@@ -141,13 +155,39 @@ func Open(ctx context.Context, pool dbx.Pool, opt Options) (*Conn, error) {
 	}
 	opt.StatementTimeout = max(opt.StatementTimeout, opt.LockTimeout)
 	c := &Conn{pool: pool, opt: opt, turn: make(chan struct{}, 1), gen: 1, held: map[int64]uint64{}, closing: make(chan struct{})}
+	if r, ok := pool.(dbx.Reserver); ok {
+		release, err := r.ReserveDedicated()
+		if err != nil {
+			return nil, fmt.Errorf("advisory: open the lock connection: %w", err)
+		}
+		var once sync.Once
+		c.unreserve = func() { once.Do(release) }
+	}
+	if opt.Lazy && sessions.Has(pool) {
+		return c, nil
+	}
 	conn, err := c.dial(ctx)
 	if err != nil {
+		c.giveRoom()
 		return nil, err
 	}
-	c.conn = conn
+	c.conn, c.opened = conn, true
 	c.lastOK.Store(time.Now().UnixNano())
 	return c, nil
+}
+
+// Opened reports whether the connection was ever open (see Options.Lazy).
+func (c *Conn) Opened() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.opened
+}
+
+// giveRoom gives back the room held in a bounded pool, if any.
+func (c *Conn) giveRoom() {
+	if c.unreserve != nil {
+		c.unreserve()
+	}
 }
 
 // Gen is the connection's generation: it changes every time the connection is lost. Locks
@@ -209,12 +249,14 @@ func (c *Conn) CloseContext(ctx context.Context) (released int, closed bool, err
 			select {
 			case c.turn <- struct{}{}:
 			default:
+				// The room in the pool goes with the connection, when that statement ends (give).
 				return 0, false, fmt.Errorf("advisory: a statement still runs on the lock connection; the connection and its %d locks go when it ends: %w", held, ctx.Err())
 			}
 		}
 	}
 	c.dialMu.Lock() // a reconnect that began before closed was set has finished
 	c.dialMu.Unlock()
+	defer c.giveRoom()
 	c.mu.Lock()
 	conn := c.conn
 	all := make([]int64, 0, len(c.held))

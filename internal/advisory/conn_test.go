@@ -2,6 +2,7 @@ package advisory_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"os"
 	"testing"
@@ -193,3 +194,70 @@ func (c *alternating) PID(ctx context.Context) (uint32, error)   { return c.conn
 func (c *alternating) Cancel(ctx context.Context) (bool, error)  { return c.conns[c.n%2].Cancel(ctx) }
 func (c *alternating) Release()                                  { c.Destroy() }
 func (c *alternating) Destroy()                                  { c.conns[0].Destroy(); c.conns[1].Destroy() }
+
+// A lazy Conn of a pool whose sessions were checked opens no connection until a statement
+// needs one: Run does not ping it, nothing of it shows on the server, and its first lock
+// opens it (not counted as a reconnect). On a bounded *sql.DB it holds its room from Open
+// on, so that a pool without room refuses at Open, lazy or not (C4).
+func TestConn_lazyOpensOnFirstStatement(t *testing.T) {
+	t.Parallel()
+	cfg, err := pgxpool.ParseConfig(testdb.URL())
+	require.NoError(t, err)
+	app := "advisory_lazy_test"
+	cfg.ConnConfig.RuntimeParams["application_name"] = app
+	own, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(own.Close)
+	pool := dbx.NewPgxPool(own)
+	key1 := advisory.Key1(`"conn_test_lazy"`, t.Name())
+	opts := advisory.Options{Key1: key1, CheckInterval: 20 * time.Millisecond, Lazy: true}
+	backends := func() int {
+		var n int
+		require.NoError(t, testdb.Pgx(t).QueryRow(context.Background(),
+			`SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, app).Scan(&n))
+		return n
+	}
+
+	first, err := advisory.Open(context.Background(), pool, opts)
+	require.NoError(t, err)
+	assert.True(t, first.Opened(), "the first lock connection of a pool is opened and checked at once")
+	first.Close()
+	own.Reset() // the pool's own connections too (the check borrowed one): only a lock connection could show now
+	testdb.Eventually(t, 5*time.Second, "the first lock connection gone", func() bool { return backends() == 0 })
+
+	c, err := advisory.Open(context.Background(), pool, opts)
+	require.NoError(t, err)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() { c.Run(stop); close(done) }()
+	defer func() { close(stop); <-done; c.Close() }()
+	time.Sleep(200 * time.Millisecond) // ten CheckIntervals in which Run must not open it
+	assert.False(t, c.Opened())
+	assert.Zero(t, backends())
+
+	got, _, err := c.TryLock(context.Background(), []int64{3})
+	require.NoError(t, err)
+	assert.Equal(t, []int64{3}, got)
+	assert.True(t, c.Opened())
+	assert.Zero(t, c.Reconnects())
+	assert.Equal(t, 1, locksOf(t, testdb.Pgx(t), key1))
+	assert.Equal(t, 1, backends())
+
+	// A bounded *sql.DB: one lock connection takes its room, a second lazy one is refused at
+	// Open (1 + 1 + the spare connections would pass the bound of 3).
+	bounded, err := sql.Open("postgres", testdb.URL())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = bounded.Close() })
+	bounded.SetMaxOpenConns(1 + dbx.StdSpareConns)
+	sp := dbx.NewStdPool(bounded)
+	one, err := advisory.Open(context.Background(), sp, opts)
+	require.NoError(t, err)
+	defer one.Close()
+	_, err = advisory.Open(context.Background(), sp, opts)
+	require.ErrorIs(t, err, dbx.ErrPoolTooSmall)
+	one.Close()
+	two, err := advisory.Open(context.Background(), sp, opts)
+	require.NoError(t, err, "Close gave the room back")
+	assert.False(t, two.Opened(), "the pool's sessions were checked by the first")
+	two.Close()
+}

@@ -9,7 +9,11 @@
 //
 // A Conn is one session connection, outside the pool's accounting where the driver allows it
 // (pgx: a pgx.Conn of its own; database/sql: a *sql.Conn taken from the *sql.DB and closed,
-// never returned, when it is done). It runs the claim statement, which takes the locks of
+// never returned, when it is done; the room for it in a bounded *sql.DB is reserved from Open
+// to Close, across reconnects). With Options.Lazy it is opened by the first statement that
+// needs it rather than by Open, once a lock connection of the same pool has passed the
+// session check (below): an owner with nothing to claim holds no connection. It runs the claim
+// statement, which takes the locks of
 // exactly the messages it claims before the claims commit (see offsets.Store.ClaimLocked), the
 // orphan search and takeover, and short statements that never wait: try-lock, unlock and a
 // ping. They run one at a time; reading the Conn's state (Held, Gen) never waits for them.
@@ -42,8 +46,11 @@
 // Session advisory locks belong to a server session. Behind a transaction-mode pooler such as
 // PgBouncer (pool_mode = transaction) consecutive statements of one client connection may run
 // on different server sessions, and a lock would stay behind on a session another client
-// uses. Open checks, before the mode starts, that the backend process is the same across
-// statements and that a session lock taken by one statement is seen in pg_locks by the next,
-// and refuses with ErrNotSessionConnection otherwise. Point the advisory mode at PostgreSQL
-// itself or at a session-mode pooler.
+// uses. The first lock connection of a pool in the process is checked as it opens (by Open):
+// the backend process must be the same across statements, a session lock taken by one
+// statement must be seen in pg_locks by the next, and the backend must stay the connection's
+// while another connection of the pool holds a transaction open; otherwise Open refuses with
+// ErrNotSessionConnection. A pool one lock connection passed on is remembered (by a weak
+// reference), and its later lock connections and reconnects are only set up. Point the
+// advisory mode at PostgreSQL itself or at a session-mode pooler.
 package advisory

@@ -12,9 +12,17 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 )
 
-// dial opens a dedicated connection, sets up its session and checks it.
+// dial opens a dedicated connection (in the room held for it, on a bounded pool) and sets up
+// its session. The first lock connection of a pool in the process that passes the session
+// check (A5) marks the pool: its later ones, and reconnects, are only set up.
 func (c *Conn) dial(ctx context.Context) (dbx.Conn, error) {
-	conn, err := c.pool.Dedicated(ctx)
+	var conn dbx.Conn
+	var err error
+	if r, ok := c.pool.(dbx.Reserver); ok && c.unreserve != nil {
+		conn, err = r.DedicatedReserved(ctx)
+	} else {
+		conn, err = c.pool.Dedicated(ctx)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("advisory: open the lock connection: %w", err)
 	}
@@ -22,19 +30,36 @@ func (c *Conn) dial(ctx context.Context) (dbx.Conn, error) {
 		conn.Destroy()
 		return nil, err
 	}
+	if sessions.Has(c.pool) {
+		return conn, nil
+	}
+	if err := c.probe(ctx, conn); err != nil {
+		conn.Destroy()
+		return nil, err
+	}
 	if err := checkPinned(ctx, c.pool, conn); err != nil {
 		conn.Destroy()
 		return nil, err
 	}
+	sessions.Set(c.pool)
 	return conn, nil
 }
 
 func millis(d time.Duration) string { return strconv.FormatInt(d.Milliseconds(), 10) + "ms" }
 
+// setup sets up the session (setupSQL). Its two values, numbers of milliseconds, are written
+// into the text: a statement without parameters is one round trip and one transaction with
+// every driver, where a prepared one is two.
 func (c *Conn) setup(ctx context.Context, conn dbx.Conn) error {
-	if _, err := conn.Exec(ctx, setupSQL, millis(c.opt.LockTimeout), millis(c.opt.StatementTimeout)); err != nil {
+	if _, err := conn.Exec(ctx, fmt.Sprintf(setupSQL, millis(c.opt.LockTimeout), millis(c.opt.StatementTimeout))); err != nil {
 		return fmt.Errorf("advisory: set up the lock connection: %w", err)
 	}
+	return nil
+}
+
+// probe is the first half of the session check (A5): the backend's pid, a probe lock, then
+// the pid again and the lock as pg_locks shows it, from a separate statement.
+func (c *Conn) probe(ctx context.Context, conn dbx.Conn) error {
 	var pid1, pid2 int64
 	var took, seen, dropped bool
 	if err := dbx.QueryRow(ctx, conn, pidSQL, nil, &pid1); err != nil {
@@ -84,6 +109,7 @@ func (c *Conn) give() {
 	c.mu.Unlock()
 	if drop != nil {
 		drop.Destroy()
+		c.giveRoom()
 	}
 	<-c.turn
 }
@@ -258,7 +284,8 @@ func (c *Conn) report(lost []int64) {
 	}
 }
 
-// ensure opens the connection again if it was lost, unless the owner has stopped.
+// ensure opens the connection if it is not open (never yet, see Options.Lazy, or lost),
+// unless the owner has stopped.
 func (c *Conn) ensure() error {
 	c.mu.Lock()
 	up, closed := c.conn != nil, c.closed
@@ -303,10 +330,18 @@ func (c *Conn) ensure() error {
 		return ErrStopped
 	}
 	c.conn = conn
-	c.reconnects++
+	first := !c.opened
+	c.opened = true
+	if !first {
+		c.reconnects++
+	}
 	c.mu.Unlock()
 	c.lastOK.Store(time.Now().UnixNano())
-	c.opt.Logger.Info("Lock connection opened again", watermill.LogFields{"key1": c.opt.Key1})
+	if first {
+		c.opt.Logger.Debug("Lock connection opened", watermill.LogFields{"key1": c.opt.Key1})
+	} else {
+		c.opt.Logger.Info("Lock connection opened again", watermill.LogFields{"key1": c.opt.Key1})
+	}
 	return nil
 }
 
@@ -334,15 +369,15 @@ func (c *Conn) Check() error {
 }
 
 // needsCheck says whether Run pings now: a lost connection is opened again at every
-// CheckInterval; one that holds locks is pinged unless a statement succeeded on it within the
-// last half CheckInterval (a busy connection needs no ping); one that holds none only every
-// IdleCheckInterval.
+// CheckInterval (one never opened is left to the first statement that needs it); one that
+// holds locks is pinged unless a statement succeeded on it within the last half CheckInterval
+// (a busy connection needs no ping); one that holds none only every IdleCheckInterval.
 func (c *Conn) needsCheck() bool {
 	c.mu.Lock()
-	down, held := c.conn == nil, len(c.held)
+	down, held, opened := c.conn == nil, len(c.held), c.opened
 	c.mu.Unlock()
 	if down {
-		return true
+		return opened
 	}
 	since := time.Since(time.Unix(0, c.lastOK.Load()))
 	if held == 0 {

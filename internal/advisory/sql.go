@@ -19,16 +19,17 @@ const (
 
 	// setupSQL turns off the server's idle timeouts for this session (a lock connection may
 	// sit idle between claims and must not be closed for it), bounds every statement of the
-	// session on the server (lock_timeout $1, statement_timeout $2: a statement blocked by a
-	// lock another session holds, a migration's table lock, ends with the server's error and
-	// leaves the session and its locks as they were, where a client-side timeout would close
-	// it), and sets the server's TCP keepalives, so that the server notices a client host that
-	// vanished and frees its locks. idle_session_timeout exists from PostgreSQL 14 on.
+	// session on the server (lock_timeout and statement_timeout, the two %s, written in as
+	// numbers of milliseconds: a statement blocked by a lock another session holds, a
+	// migration's table lock, ends with the server's error and leaves the session and its
+	// locks as they were, where a client-side timeout would close it), and sets the server's
+	// TCP keepalives, so that the server notices a client host that vanished and frees its
+	// locks. idle_session_timeout exists from PostgreSQL 14 on.
 	setupSQL = `SELECT set_config('idle_in_transaction_session_timeout', '0', false),
 	CASE WHEN current_setting('server_version_num')::int >= 140000
 	     THEN set_config('idle_session_timeout', '0', false) END,
-	set_config('lock_timeout', $1::text, false),
-	set_config('statement_timeout', $2::text, false),
+	set_config('lock_timeout', '%s', false),
+	set_config('statement_timeout', '%s', false),
 	set_config('tcp_keepalives_idle', '30', false),
 	set_config('tcp_keepalives_interval', '10', false),
 	set_config('tcp_keepalives_count', '3', false)`
@@ -48,8 +49,8 @@ const (
 )
 SELECT k::bigint, pg_advisory_unlock($1::int4, k) FROM stray`
 
-	// The session check (A5): the backend's pid, a probe lock, then the pid again and the lock
-	// as pg_locks shows it, from a separate statement.
+	// The session check (A5, probe): the backend's pid, a probe lock, then the pid again and
+	// the lock as pg_locks shows it, from a separate statement.
 	pidSQL       = `SELECT pg_backend_pid()`
 	probeLockSQL = `SELECT pg_try_advisory_lock($1::int4, $2::int4)`
 	probeSeeSQL  = `SELECT pg_backend_pid(), EXISTS (

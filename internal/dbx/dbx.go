@@ -93,6 +93,18 @@ type Pool interface {
 	Dialect() Dialect
 }
 
+// Reserver is a pool whose dedicated connections count against its bound (a *sql.DB with
+// SetMaxOpenConns): a user that keeps one for long holds the room for it from the start,
+// whether the connection is open yet or not, and across its reconnects.
+type Reserver interface {
+	// ReserveDedicated holds room for one dedicated connection, or fails with
+	// ErrPoolTooSmall; release gives it back.
+	ReserveDedicated() (release func(), err error)
+	// DedicatedReserved is Dedicated in room held already: the connection does not count
+	// itself in or out.
+	DedicatedReserved(ctx context.Context) (Conn, error)
+}
+
 // Listenable is a pool that can keep a LISTEN connection (pgx; database/sql cannot receive
 // notifications through its pool).
 type Listenable interface {

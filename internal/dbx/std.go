@@ -115,16 +115,32 @@ func (p *StdPool) Dedicated(ctx context.Context) (Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	c, err := p.DB.Conn(ctx)
+	c, err := p.dedicated(ctx, release)
 	if err != nil {
 		release()
+	}
+	return c, err
+}
+
+// ReserveDedicated holds room in a bounded *sql.DB for one dedicated connection (Reserver).
+func (p *StdPool) ReserveDedicated() (release func(), err error) { return reserveDedicated(p.DB) }
+
+// DedicatedReserved is Dedicated in room held by ReserveDedicated (Reserver).
+func (p *StdPool) DedicatedReserved(ctx context.Context) (Conn, error) { return p.dedicated(ctx, nil) }
+
+// dedicated takes the connection of Dedicated; unreserve, if not nil, is called when it is
+// destroyed.
+func (p *StdPool) dedicated(ctx context.Context, unreserve func()) (Conn, error) {
+	c, err := p.DB.Conn(ctx)
+	if err != nil {
 		return nil, err
 	}
-	sc := &stdConn{stdQ: stdQ{c}, c: c, untracked: true, pool: p.DB, unreserve: release}
+	sc := &stdConn{stdQ: stdQ{c}, c: c, untracked: true, pool: p.DB}
 	if _, err := sc.PID(ctx); err != nil {
 		sc.Destroy()
 		return nil, err
 	}
+	sc.unreserve = unreserve
 	return sc, nil
 }
 

@@ -24,8 +24,9 @@ type listener struct {
 	refs      int
 	cancel    context.CancelFunc
 	done      chan struct{}
-	connected atomic.Bool // a connection of the listener is open (counted as closed on release)
-	listening atomic.Bool // its LISTEN is in place: every NOTIFY of the library reaches the process
+	connected atomic.Bool   // a connection of the listener is open (counted as closed on release)
+	listening atomic.Bool   // its LISTEN is in place: every NOTIFY of the library reaches the process
+	gen       atomic.Uint64 // how many times its LISTEN was put in place
 }
 
 var (
@@ -81,9 +82,13 @@ func (l *listener) run(ctx context.Context, pool dbx.Listenable, logger watermil
 			// Open from now on, before its LISTEN is in place: a release in between closes it.
 			l.connected.Store(true)
 		}, func() {
-			// (Re)connected: notifications sent meanwhile were missed; wake everyone.
+			// (Re)connected: notifications sent before the LISTEN was in place were missed.
+			// The pool's shared poll sees the generation change and looks for the parked
+			// subscriptions at once, in one statement per 64 of them; waking every
+			// subscription instead would make each claim, and try again while the xmin
+			// horizon may hold a message back: a burst of claims per subscription.
+			l.gen.Add(1)
 			l.listening.Store(true)
-			wake.NotifyAll()
 			backoff = 100 * time.Millisecond
 		}, wake.Notify)
 		l.listening.Store(false)
@@ -105,12 +110,22 @@ func (l *listener) run(ctx context.Context, pool dbx.Listenable, logger watermil
 // place, so that every NOTIFY of the library wakes the process's subscriptions. It is false
 // for a pool that cannot listen (database/sql) and for one nobody acquired.
 func Listening(pool dbx.Pool) bool {
+	listening, _ := State(pool)
+	return listening
+}
+
+// State is Listening, and how many times pool's LISTEN connection in this process put its
+// LISTEN in place: when that changes, a NOTIFY sent just before may have been missed.
+func State(pool dbx.Pool) (listening bool, gen uint64) {
 	lp, ok := pool.(dbx.Listenable)
 	if !ok {
-		return false
+		return false, 0
 	}
 	mu.Lock()
 	l := listeners[lp.ListenKey()]
 	mu.Unlock()
-	return l != nil && l.listening.Load()
+	if l == nil {
+		return false, 0
+	}
+	return l.listening.Load(), l.gen.Load()
 }
