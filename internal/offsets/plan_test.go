@@ -302,12 +302,18 @@ func TestSettlePlansStayFlat(t *testing.T) {
 func TestClaimsKeepGenericPlans(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	tables, pool, _ := createTables(t, ctx)
+	tables, pool, db := createTables(t, ctx)
 	store := offsets.NewStore(tables, true)
 	const backlog, batch, runs = 1_000_000, 20, 8
-	if _, err := pool.Exec(ctx, fmt.Sprintf(`INSERT INTO %s ("uuid", "payload")
-		SELECT i::text, '\x00' FROM generate_series(1, %d) i`, tables.Messages, backlog)); err != nil {
-		t.Fatal(err)
+	// In steps, so that the table has the partitions a steady publisher would have made.
+	for range 10 {
+		if err := store.AddPartitions(ctx, db, backlog/10); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pool.Exec(ctx, fmt.Sprintf(`INSERT INTO %s ("uuid", "payload")
+			SELECT i::text, '\x00' FROM generate_series(1, %d) i`, tables.Messages, backlog/10)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if _, err := pool.Exec(ctx, "ANALYZE "+tables.Messages); err != nil {
 		t.Fatal(err)

@@ -88,7 +88,7 @@ func claimSQL(t Tables, with, cond string, due, locked bool) string {
 		b = append(b, `due AS (SELECT NULL::bigint AS "offset", NULL::bigint AS "token", NULL::integer AS "attempts" WHERE false)`...)
 	}
 	b = fmt.Appendf(b, `, g AS (
-	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
+	SELECT gr."last_xid", gr."last_offset", gr."floor_offset" FROM %[1]s gr
 	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4%[3]s
 	  AND (`+nextWaitingSQL+`) IS NOT NULL
 	FOR UPDATE
