@@ -141,7 +141,9 @@ func (t Tables) partStem() string {
 }
 
 // partName is the name, unquoted, of the partition whose offsets start at lo.
-func (t Tables) PartitionName(lo int64) string { return t.partStem() + "_p" + strconv.FormatInt(lo, 10) }
+func (t Tables) PartitionName(lo int64) string {
+	return t.partStem() + "_p" + strconv.FormatInt(lo, 10)
+}
 
 // extendFn is the schema-qualified name of the function that adds partitions to the messages
 // table (PostgreSQL; see extendFnSQL).
