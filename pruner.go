@@ -82,5 +82,8 @@ func (p *pruner) runOnce() bool {
 	if res.Messages > 0 || res.Dropped > 0 {
 		sub.logger.Debug("Deleted settled messages", watermill.LogFields{"count": res.Messages, "partitions": res.Dropped})
 	}
+	if res.Waiting {
+		sub.logger.Debug("A partition's detach waits for a transaction that uses the messages table; the next pass completes it", nil)
+	}
 	return true
 }

@@ -143,6 +143,15 @@ const nextWaitingSQL = `SELECT nx."offset" FROM %[2]s nx
 		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot())
 		ORDER BY nx."xid", nx."offset" LIMIT 1`
 
+// byOffsetSQL reads, as alias, the message of offset at (an expression of the row outside)
+// from the messages table (%[2]s): one probe of the primary key of the one partition that
+// holds it. A plain join lets the planner, which cannot count the partitions the executor
+// leaves out, price a probe as one per partition and scan every partition instead; the
+// subquery under LIMIT is never turned into a join.
+func byOffsetSQL(alias, at string) string {
+	return `LATERAL (SELECT b."offset", b."uuid", b."payload", b."metadata" FROM %[2]s b WHERE b."offset" = ` + at + ` LIMIT 1) ` + alias
+}
+
 // claimTailSQL ends both claim statements: it advances the group's position past the new
 // messages of m, and returns the due claims taken again (r) first, then the new messages read
 // from newFrom, in (xid, offset) order, then one row (kind 2, with the time in epoch
@@ -156,7 +165,7 @@ func claimTailSQL(newFrom string) string {
 )
 SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts", x.k, x.at FROM (
 	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o, 0::float8 AS at
-	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
+	FROM r, ` + byOffsetSQL("msg", `r."offset"`) + `
 	UNION ALL
 	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset"), 0::float8
 	FROM ` + newFrom + `

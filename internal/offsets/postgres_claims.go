@@ -232,7 +232,7 @@ func settleSQL(t Tables, with, cond string, op settleOp, to string) string {
 	SELECT m."uuid", m."payload", (m."metadata" - $6::text - $7::text) || jsonb_build_object(
 		'`+MetaDeadLetterTopic+`', $4::text, '`+MetaDeadLetterGroup+`', $5::text,
 		'`+MetaDeadLetterAttempts+`', done."attempts"::text, '`+MetaDeadLetterOffset+`', m."offset"::text)
-	FROM done JOIN %[2]s m ON m."offset" = done.o
+	FROM done, `+byOffsetSQL("m", "done.o")+`
 	ORDER BY m."offset"
 )`, to, t.Messages)
 	}
@@ -263,7 +263,7 @@ LIMIT $4`
 // runs after the locks were taken, so its snapshot sees every settlement that committed before
 // the previous holder let go: a claim that was acked meanwhile is in no row, one that was
 // nacked or released is in a row that is no longer 'infinity', and neither is returned (A4).
-const adoptSQL = `WITH k AS (
+var adoptSQL = `WITH k AS (
 	SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM %[1]s c
 	WHERE c."group_id" = $1 AND c."visible_at" = 'infinity' AND c."offsets" && $3::bigint[]
 	FOR UPDATE
@@ -288,5 +288,5 @@ const adoptSQL = `WITH k AS (
 	` + mergeOffsetsSQL + `
 )
 SELECT m."offset", m."uuid", m."payload", m."metadata"::text, done."attempts", 0, 0::float8
-FROM done JOIN %[2]s m ON m."offset" = done.o
+FROM done, ` + byOffsetSQL("m", "done.o") + `
 ORDER BY m."offset"`

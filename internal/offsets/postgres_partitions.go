@@ -290,6 +290,7 @@ type MaintainResult struct {
 	Added    bool  // partitions were added
 	Dropped  int   // partitions detached and dropped
 	Messages int64 // messages in them
+	Waiting  bool  // a detach waits for a transaction that uses the table (a later pass completes it)
 }
 
 // group as a maintenance pass reads it.
@@ -467,6 +468,10 @@ WHERE "group_id" = $1 AND "floor_offset" < $2 AND ("last_xid", "last_offset") >=
 	}
 	for _, name := range orphans {
 		n, err := s.dropPartition(ctx, c, partition{name: name, detached: true})
+		if dbx.SQLState(err) == dbx.CodeLockNotAvailable {
+			res.Waiting = true
+			return res, nil
+		}
 		if err != nil {
 			return res, err
 		}
@@ -478,6 +483,12 @@ WHERE "group_id" = $1 AND "floor_offset" < $2 AND ("last_xid", "last_offset") >=
 			continue
 		}
 		n, err := s.dropPartition(ctx, c, p)
+		if dbx.SQLState(err) == dbx.CodeLockNotAvailable {
+			// A transaction that uses the table outlasted the detach's wait: the detach
+			// stays pending, and a later pass completes it.
+			res.Waiting = true
+			return res, nil
+		}
 		if err != nil {
 			return res, err
 		}

@@ -140,7 +140,9 @@ func (t Tables) partStem() string {
 	return strings.TrimSuffix(ident.TableName(t.prefix, t.Topic, partSuffixRoom), partSuffixRoom)
 }
 
-// partName is the name, unquoted, of the partition whose offsets start at lo.
+// PartitionName is the name, unquoted, of the partition of the messages table (PostgreSQL)
+// whose offsets start at lo; 0 names the one from MINVALUE, which a table of schema version 3
+// or older became.
 func (t Tables) PartitionName(lo int64) string {
 	return t.partStem() + "_p" + strconv.FormatInt(lo, 10)
 }

@@ -45,3 +45,17 @@ ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM (%d) TO (%d)`, name, tables.M
 		lo += int64(size)
 	}
 }
+
+// Int runs a query of one integer on the test database.
+func Int(t testing.TB, sql string, args ...any) int64 {
+	t.Helper()
+	var n int64
+	must(t, Pgx(t).QueryRow(context.Background(), sql, args...).Scan(&n))
+	return n
+}
+
+// Count counts the rows of table (quoted).
+func Count(t testing.TB, table string) int64 {
+	t.Helper()
+	return Int(t, "SELECT count(*) FROM "+table)
+}
