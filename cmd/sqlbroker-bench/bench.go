@@ -187,6 +187,7 @@ var scenarioFuncs = map[int]scenarioFunc{
 	9:  scenarioMany,
 	10: scenarioGroup,
 	11: scenarioHold,
+	12: scenarioRetention,
 }
 
 // runScenarios runs every selected scenario for every contender. A contender's failure is

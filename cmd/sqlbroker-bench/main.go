@@ -33,8 +33,10 @@
 //  11. hold:     messages offered at a steady rate to consumer groups of two subscribers with
 //     Retention set, while a REPEATABLE READ transaction holds vacuum back: rates, lag and
 //     index entries read per scan, second by second, and a summary of the hold
+//  12. retention: -retention-n messages through one subscriber with Retention 1 s: the
+//     sizes of the messages and claims tables second by second, at the peak and at the end
 //
-// Scenarios 1-7 run by default; 8-11 when named. Scenarios 8 and 9 read the transaction count
+// Scenarios 1-7 run by default; 8-12 when named. Scenarios 8 and 9 read the transaction count
 // of the whole database (pg_stat_database): point -url at a database nothing else uses; they
 // do not apply to SQLite.
 //
@@ -96,11 +98,16 @@ type config struct {
 	holdFor         time.Duration // 11
 	holdGroups      int           // 11
 	holdRetention   time.Duration // 11
+	retentionN      int           // 12
+	retentionRate   int           // 12
+	retention       time.Duration // 12
+	retentionSettle time.Duration // 12
+	retentionVacuum time.Duration // 12
 }
 
 var scenarioNames = map[string]int{
 	"drain": 1, "slow": 2, "instances": 3, "latency": 4, "publish": 5, "memory": 6, "raw": 7,
-	"idle": 8, "many": 9, "group": 10, "hold": 11,
+	"idle": 8, "many": 9, "group": 10, "hold": 11, "retention": 12,
 }
 
 func main() {
@@ -113,7 +120,7 @@ func main() {
 func parseFlags() (*config, error) {
 	c := &config{}
 	quick := flag.Bool("quick", false, "CI-sized run: small backlogs and short durations (explicit size flags still win)")
-	scen := flag.String("scenarios", "1,2,3,4,5,6,7", "scenarios to run, by number or name (drain,slow,instances,latency,publish,memory,raw,idle,many,group,hold)")
+	scen := flag.String("scenarios", "1,2,3,4,5,6,7", "scenarios to run, by number or name (drain,slow,instances,latency,publish,memory,raw,idle,many,group,hold,retention)")
 	cont := flag.String("contenders", "lease,advisory,watermill-sql,sqlite", "contenders to run (lease, advisory, watermill-sql, sqlite)")
 	flag.StringVar(&c.sqliteDir, "sqlite-dir", os.TempDir(), "the sqlite contender's database files go in a new directory inside this one (local disk: not a tmpfs, or commits cost nothing)")
 	flag.StringVar(&c.url, "url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL")
@@ -155,6 +162,11 @@ func parseFlags() (*config, error) {
 	holdFor := flag.Duration("hold-for", 120*time.Second, "scenario 11: how long the reader keeps it open")
 	flag.IntVar(&c.holdGroups, "hold-groups", 1, "scenario 11: consumer groups, each of two subscribers")
 	flag.DurationVar(&c.holdRetention, "hold-retention", 10*time.Second, "scenario 11: the subscribers' Retention (0: none)")
+	retentionN := flag.Int("retention-n", 1_000_000, "scenario 12: messages published")
+	flag.IntVar(&c.retentionRate, "retention-rate", 10_000, "scenario 12: messages per second offered")
+	flag.DurationVar(&c.retention, "retention", time.Second, "scenario 12: the subscriber's Retention")
+	flag.DurationVar(&c.retentionSettle, "retention-settle", 15*time.Second, "scenario 12: how long to watch the sizes after the last message is handled")
+	flag.DurationVar(&c.retentionVacuum, "retention-vacuum", 0, "scenario 12: VACUUM the claims and groups tables this often, for a server whose autovacuum is off (0: leave it to autovacuum)")
 	flag.Parse()
 
 	set := map[string]bool{}
@@ -186,6 +198,7 @@ func parseFlags() (*config, error) {
 	c.holdDuration = pickDur("hold-duration", holdDuration, 30*time.Second)
 	c.holdAt = pickDur("hold-at", holdAt, 5*time.Second)
 	c.holdFor = pickDur("hold-for", holdFor, 15*time.Second)
+	c.retentionN = pickInt("retention-n", retentionN, 100_000)
 
 	c.scenarios = map[int]bool{}
 	for _, s := range strings.Split(*scen, ",") {
@@ -199,7 +212,7 @@ func parseFlags() (*config, error) {
 		}
 		var n int
 		if _, err := fmt.Sscanf(s, "%d", &n); err != nil || scenarioFuncs[n] == nil {
-			return nil, fmt.Errorf("-scenarios: %q is not a scenario (1-11 or drain,slow,instances,latency,publish,memory,raw,idle,many,group,hold)", s)
+			return nil, fmt.Errorf("-scenarios: %q is not a scenario (1-12 or drain,slow,instances,latency,publish,memory,raw,idle,many,group,hold,retention)", s)
 		}
 		c.scenarios[n] = true
 	}

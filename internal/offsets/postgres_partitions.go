@@ -351,17 +351,6 @@ func (s postgres) maintain(ctx context.Context, st *partState, c dbx.Querier, op
 	if err != nil {
 		return res, err
 	}
-	for i := range parts {
-		p := &parts[i]
-		if p.before == 0 && p.hi <= st.closedBelow && opts.Drop {
-			// Closed now: every message in it was written before now.
-			q := ident.Qualified(t.Schema, p.name)
-			if _, err := c.Exec(ctx, fmt.Sprintf("COMMENT ON TABLE %s IS %s", q, quoteLiteral(closedCommentPrefix+strconv.FormatInt(now, 10)))); err != nil {
-				return res, fmt.Errorf("marking partition %s closed: %w", q, err)
-			}
-			p.before = now
-		}
-	}
 	closed := func(p partition) bool { return p.before > 0 || p.hi <= st.closedBelow }
 	groups, err := s.groups(ctx, c)
 	if err != nil {
@@ -420,7 +409,21 @@ WHERE "group_id" = $1 AND "floor_offset" < $2 AND ("last_xid", "last_offset") >=
 			return res, fmt.Errorf("moving the floor of group %d: %w", g.id, err)
 		}
 	}
-	if !opts.Drop || len(groups) == 0 {
+	if !opts.Drop {
+		return res, nil
+	}
+	for i := range parts {
+		p := &parts[i]
+		if p.before == 0 && p.hi <= st.closedBelow {
+			// Closed now: every message in it was written before now. (The owner's right.)
+			q := ident.Qualified(t.Schema, p.name)
+			if _, err := c.Exec(ctx, fmt.Sprintf("COMMENT ON TABLE %s IS %s", q, quoteLiteral(closedCommentPrefix+strconv.FormatInt(now, 10)))); err != nil {
+				return res, fmt.Errorf("marking partition %s closed: %w", q, err)
+			}
+			p.before = now
+		}
+	}
+	if len(groups) == 0 {
 		return res, nil
 	}
 

@@ -4,7 +4,8 @@
 //
 // A topic has three tables:
 //
-//   - messages: one row a published message, kept until retention deletes it, with the id of the transaction that
+//   - messages: one row a published message, kept until retention deletes it (on
+//     PostgreSQL in partitions by offset range, dropped whole: postgres_partitions.go), with the id of the transaction that
 //     wrote it (xid8). Read in (xid, offset) order and only below the oldest transaction still
 //     running (pg_snapshot_xmin), so a message committed late is never skipped.
 //   - groups: one row a consumer group, with the (xid, offset) position of the last message
