@@ -314,7 +314,7 @@ type SubscriberConfig struct {
 
 	// Retention deletes messages that every consumer group of the topic has settled once
 	// they are older than this; each subscription prunes its topic every Retention/10 (at
-	// least every second, at most every 10 seconds). On PostgreSQL messages go a partition of
+	// least every second, at most every minute). On PostgreSQL messages go a partition of
 	// the messages table at a time (at least 100,000 offsets): a partition is dropped once
 	// every group has passed every message in it, no claim holds any of them and all are
 	// older than Retention, which needs the tables' owner; the partition being filled stays.

@@ -15,22 +15,32 @@ import (
 // topic's), moves the groups' floors past the partitions they have passed, and with Retention
 // drops the partitions every group has passed; on SQLite, with Retention, it deletes the
 // settled messages. A pass running when the subscription stops is cancelled on the server.
+//
+// With Retention, a pass runs every Retention/10 (between 1 s and 1 min): what it may drop
+// depends on every group's progress and settlements. Without, a pass only adds partitions and
+// moves floors, which change only as messages are claimed: an idle subscription runs none,
+// and a pass runs every 10 s only when the subscriber claimed messages since the tick before
+// (and once more after that, which learns that the partitions then filled are complete).
 type pruner struct {
 	sub   *subscription
 	every time.Duration
+
+	claimed int64 // the subscriber's claims at the last tick
+	active  bool  // it had claimed at the tick before
 }
 
 // pruneLimit bounds one pass: a partition's detach waits for the transactions that use the
 // table when it starts (offsets.MaintainOptions), up to a few seconds.
 const pruneLimit = 30 * time.Second
 
-// pruneEvery is the period of the passes without Retention (partitions and floors only).
+// pruneEvery is the period of the passes without Retention (partitions and floors only),
+// while the subscriber claims.
 const pruneEvery = 10 * time.Second
 
 func newPruner(sub *subscription) *pruner {
 	every := pruneEvery
 	if r := sub.cfg.Retention; r > 0 {
-		every = min(max(r/10, time.Second), pruneEvery)
+		every = min(max(r/10, time.Second), time.Minute)
 	}
 	return &pruner{sub: sub, every: every}
 }
@@ -50,10 +60,22 @@ func (p *pruner) run() {
 		case <-p.sub.handout.ended:
 			return
 		}
+		if !p.due() {
+			continue
+		}
 		if !p.runOnce() {
 			return
 		}
 	}
+}
+
+// due reports whether the pass of this tick runs (see pruner).
+func (p *pruner) due() bool {
+	c := p.sub.s.stats.claimed.Load()
+	active := c != p.claimed
+	run := active || p.active || p.sub.cfg.Retention > 0
+	p.claimed, p.active = c, active
+	return run
 }
 
 // runOnce runs one pass; it reports false once the subscription stopped.

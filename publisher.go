@@ -221,7 +221,7 @@ func (p *Publisher) publishErr(topic string, store *offsets.Store, err error) er
 		return fmt.Errorf("sqlbroker: publish to %q: %w; nothing was written", topic, err)
 	}
 	if store != nil && p.db.tx != nil && store.NoPartition(err) {
-		return fmt.Errorf("sqlbroker: publish to %q: no partition of %s takes the new offsets: no maintenance has added one since they ran out (a subscriber of the topic does every few seconds, so does a publish outside a transaction, and sqlbroker retention); the transaction is aborted, run it again once one has: %w", topic, store.T.Messages, err)
+		return fmt.Errorf("sqlbroker: publish to %q: no partition of %s takes the new offsets: no maintenance has added one since they ran out (a subscriber of the topic does while it claims, so does a publish outside a transaction, and sqlbroker retention); the transaction is aborted, run it again once one has: %w", topic, store.T.Messages, err)
 	}
 	if store != nil && dbx.SQLState(err) == dbx.CodeUndefinedTable {
 		p.stores.forget(topic)
