@@ -189,3 +189,30 @@ func TestPublisher_pastThePartitionsMadeAhead(t *testing.T) {
 	require.NoError(t, run())
 	assert.Equal(t, 21, countMessages(t, topic))
 }
+
+// Moves to a dead-letter topic and a redrive back never fail for want of a partition either:
+// past the partitions made ahead, the subscriber's move and the Admin's transaction add them
+// and run again.
+func TestDeadLetter_pastThePartitionsMadeAhead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic, dead := testdb.Topic(t, ""), testdb.Topic(t, "")
+	smallPartitions(t, topic, 1, 3) // room for the 3 messages, none for the redriven copies
+	smallPartitions(t, dead, 1, 1)  // room for 1 dead letter
+	pub := newPublisher(t, pgxDB(t))
+	publish(t, pub, topic, "a", "b", "c")
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", MaxAttempts: 1, DeadLetterTopic: dead, PollInterval: 20 * time.Millisecond})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	for range 3 {
+		receive(t, msgs, 10*time.Second).Nack()
+	}
+	testdb.Eventually(t, 10*time.Second, "three dead letters", func() bool { return sub.Stats().DeadLettered == 3 })
+	assert.Zero(t, sub.Stats().Errors)
+	assert.Equal(t, 3, countMessages(t, dead))
+
+	res, err := newAdmin(t, pgxDB(t)).Redrive(ctx, dead, sqlbroker.RedriveOptions{})
+	require.NoError(t, err)
+	assert.EqualValues(t, 3, res.Moved)
+	assert.Equal(t, 6, countMessages(t, topic))
+}
