@@ -309,9 +309,10 @@ func (s postgres) maintain(ctx context.Context, st *partState, c dbx.Querier, op
 	if err := dbx.QueryRowWrite(ctx, c, t.addPartitionsSQL(), []any{int64(0), int64(PartitionSize)}, &top); err != nil {
 		return res, fmt.Errorf("adding partitions: %w", err)
 	}
-	// Which offsets are final: the pair of the last pass, if the transactions that were
-	// running then have ended; then a new pair.
+	// Which offsets are final: the pair (s, w) of the last pass, if the transactions that were
+	// running when it was taken have ended; then a new pair.
 	deadline := time.Now().Add(opts.Wait)
+	confirmed := false
 	for {
 		var xmin string
 		var newest int64
@@ -324,9 +325,9 @@ func (s postgres) maintain(ctx context.Context, st *partState, c dbx.Querier, op
 		}
 		if st.pend && xm > st.pendW {
 			st.closedBelow = max(st.closedBelow, int64(st.pendS)+1)
-			st.pend = false
+			st.pend, confirmed = false, true
 		}
-		if !st.pend && int64(newest) >= st.closedBelow {
+		if !st.pend && newest >= st.closedBelow {
 			var xid string
 			if err := dbx.QueryRowWrite(ctx, c, `SELECT pg_current_xact_id()::text`, nil, &xid); err != nil {
 				return res, err
@@ -337,7 +338,9 @@ func (s postgres) maintain(ctx context.Context, st *partState, c dbx.Querier, op
 			}
 			st.pendS, st.pendW, st.pend = uint64(newest), w, true
 		}
-		if !st.pend || opts.Wait <= 0 || time.Now().After(deadline) {
+		// With opts.Wait, until one pair (the last pass's or this one's) is confirmed: the
+		// pair taken after it is the next pass's.
+		if confirmed || !st.pend || opts.Wait <= 0 || time.Now().After(deadline) {
 			break
 		}
 		select {
