@@ -484,7 +484,7 @@ COMMENT ON TABLE `+tb.Messages+` IS 'sqlbroker schema v2'`)
 	_, err = plain.Subscribe(ctx, topic)
 	var verr *sqlbroker.SchemaVersionError
 	require.ErrorAs(t, err, &verr)
-	assert.Contains(t, err.Error(), "stop the consumers of the older library")
+	assert.Contains(t, err.Error(), "stop the consumers and publishers of the older library")
 
 	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: delayPoll})
 	msgs, err := sub.Subscribe(ctx, topic)

@@ -98,7 +98,7 @@ func TestSchema_version3MessagesPartitioned(t *testing.T) {
 	_, err = plain.Subscribe(ctx, topic)
 	var verr *sqlbroker.SchemaVersionError
 	require.ErrorAs(t, err, &verr)
-	assert.Contains(t, err.Error(), "stop the consumers of the older library")
+	assert.Contains(t, err.Error(), "stop the consumers and publishers of the older library")
 
 	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond, LeaseTTL: time.Second})
 	msgs, err = sub.Subscribe(ctx, topic)
