@@ -19,7 +19,7 @@ import (
 var ErrNotDelivered = errors.New("sqlbroker: the message was not delivered by a sqlbroker Subscriber")
 
 // AckInTx settles msg inside the caller's transaction tx (PgxTx, StdTx or SQLiteTx, on the
-// database of the subscriber that delivered msg): the message's claim is deleted by a statement of tx,
+// database of the subscriber that delivered msg): the message's claim is settled by a statement of tx,
 // fenced by the delivery's token, so the handler's own writes in tx and the ack commit
 // together, or neither does. If the claim is no longer this delivery's (its lease ran out and
 // another consumer took the message, or in advisory mode its lock went with its connection),
@@ -29,9 +29,11 @@ var ErrNotDelivered = errors.New("sqlbroker: the message was not delivered by a 
 // Once the caller has committed, the message is settled; the Router's (or the caller's)
 // Ack that follows changes nothing in the database and is not counted as stale, and in
 // advisory mode it drops the message's lock. A Nack that follows instead (the caller rolled
-// back) gives the message back as usual. Commit promptly: the claim's row stays locked by tx
-// until it ends (on SQLite, the database's write lock is held), and its lease is no longer
-// extended. tx must run at READ COMMITTED, the
+// back) gives the message back as usual. Call it last and commit at once: the claim's row
+// stays locked by tx until it ends, and its lease is no longer extended. On PostgreSQL that
+// row holds every message one claim statement took, so the acks, nacks and lease extensions
+// of the subscription's other messages of that claim wait for tx meanwhile (their leases
+// run out if tx outlasts LeaseTTL); on SQLite, the database's write lock is held. tx must run at READ COMMITTED, the
 // PostgreSQL default.
 func AckInTx(ctx context.Context, tx DB, msg *message.Message) error {
 	if tx.tx == nil {

@@ -188,6 +188,9 @@ type GroupState struct {
 	InWork int64 `json:"in_work"`
 	// Waiting counts nacked messages waiting for their backoff to pass.
 	Waiting int64 `json:"waiting"`
+	// Parked counts messages of a group ordered by key (SubscriberConfig.OrderByKey) that
+	// wait behind an earlier message of their key.
+	Parked int64 `json:"parked"`
 	// Due counts messages any consumer of the group may claim again now: nacked or given
 	// back, or whose lease ran out.
 	Due int64 `json:"due"`
@@ -295,7 +298,7 @@ func (a *Admin) Inspect(ctx context.Context, opts InspectOptions) (Inspection, e
 			for _, g := range gs {
 				ts.Groups = append(ts.Groups, GroupState{
 					Group: g.Group, Offset: g.Offset, Lag: g.Lag, LagEstimated: g.LagEstimated,
-					InWork: g.InWork, Waiting: g.Waiting, Due: g.Due, HeldBack: g.HeldBack,
+					InWork: g.InWork, Waiting: g.Waiting, Due: g.Due, Parked: g.Parked, HeldBack: g.HeldBack,
 					OldestUnsettled: seconds(g.OldestUnsettledAge), SinceMoved: seconds(g.SinceMoved),
 				})
 			}

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
@@ -84,6 +86,13 @@ type PublisherConfig struct {
 
 	// MaxPayloadBytes refuses messages with a larger payload. Defaults to DefaultMaxPayloadBytes.
 	MaxPayloadBytes int
+
+	// OrderKey, when set, computes each message's order key (see
+	// SubscriberConfig.OrderByKey), which is stored in its metadata under MetadataOrderKey;
+	// "" leaves the message without one. An error fails the publish, naming the message.
+	// Messages that already carry MetadataOrderKey keep theirs. Defaults to nil: a message's
+	// key is its MetadataOrderKey, if any.
+	OrderKey func(topic string, msg *message.Message) (string, error)
 
 	// NotifyDebounce is the shortest time between two NOTIFYs of one topic from this
 	// publisher: NOTIFY wakes subscribers in other processes at once, but takes a lock shared
@@ -229,6 +238,18 @@ type SubscriberConfig struct {
 	// message's context (Watermill's middleware.Timeout sets its deadline) and make them honour
 	// it. Defaults to DefaultMaxInFlight.
 	MaxInFlight int
+
+	// OrderByKey keeps the order of messages with the same order key (MetadataOrderKey, or
+	// PublisherConfig.OrderKey) within the consumer group, across all its subscribers and
+	// processes: a message is handed to a handler only once every message of its key before
+	// it in the group's order is settled (acked, or moved to the dead-letter topic), and never
+	// beside another message of its key. Messages of different keys, and messages without a
+	// key, run in parallel up to MaxInFlight. A nack, a lost lease or a delayed message holds
+	// its key's later messages back until it is settled, so a message that keeps failing
+	// blocks its key until MaxAttempts moves it to the dead-letter topic. Every subscriber of
+	// a group must set it alike. The lease mode on PostgreSQL only; see the README's
+	// "Ordering".
+	OrderByKey bool
 
 	// BatchSize bounds the messages claimed in one round trip; with MaxInFlight above 1 it is
 	// also how many a subscription holds claimed ahead of its handlers. Defaults to
@@ -447,11 +468,17 @@ func (c *SubscriberConfig) validate() error {
 	if c.LeaseRenewInterval >= c.LeaseTTL {
 		return &ConfigError{Field: "LeaseRenewInterval", Value: c.LeaseRenewInterval, Reason: "must be shorter than LeaseTTL (" + c.LeaseTTL.String() + ")"}
 	}
+	if c.OrderByKey && c.ClaimMode == ClaimAdvisoryLock {
+		return &ConfigError{Field: "OrderByKey", Value: true, Reason: "needs the lease mode (ClaimLease): the advisory-lock mode does not keep order by key yet"}
+	}
 	return nil
 }
 
 // validateOn checks the config against what the database of dialect d can do.
 func (c *SubscriberConfig) validateOn(d dbx.Dialect) error {
+	if c.OrderByKey && !d.OrderedClaims {
+		return &ConfigError{Field: "OrderByKey", Value: true, Reason: "is not available on " + d.Name + " yet: keep order there with MaxInFlight 1 and one subscriber"}
+	}
 	if c.ClaimMode == ClaimAdvisoryLock && !d.AdvisoryLocks {
 		return &ConfigError{Field: "ClaimMode", Value: c.ClaimMode.String(), Reason: "needs PostgreSQL's session advisory locks, which " + d.Name + " does not have: use ClaimLease (the lease mode) on " + d.Name}
 	}

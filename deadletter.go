@@ -104,6 +104,9 @@ func (st *settler) deadLetter(fs []offsets.Fenced) (map[int64]bool, error) {
 		return done, err
 	}
 	sub.s.stats.deadLettered.Add(int64(len(done)))
+	if sub.cfg.OrderByKey {
+		sub.claimer.markDue(time.Now()) // the next message of each key moved may go now
+	}
 	sub.logger.Info("Moved messages to the dead-letter topic", watermill.LogFields{"count": len(done), "dead_letter_topic": dlq.T.Topic})
 	wake.Notify(dlq.T.Messages)
 	_ = sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtNack, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {

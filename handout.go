@@ -72,6 +72,13 @@ func (h *handout) send(d *delivery, expire *time.Timer) (handed, stop bool) {
 		if lost {
 			return false, false
 		}
+		// A handler waiting already (a busy subscription): handed out without a timer or a
+		// wait on the message's context, which the checks above stand for.
+		select {
+		case h.out <- d.msg:
+			return true, false
+		default:
+		}
 		var expired <-chan time.Time
 		if expires {
 			expire.Reset(time.Until(deadline))

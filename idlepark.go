@@ -363,7 +363,7 @@ func chunkSQL(slots []*pollEntry, held []int64) (string, bool) {
 		if e == nil {
 			continue
 		}
-		branches[i] = offsets.IdleBranch{Tables: &e.sub.store.T, GroupID: e.sub.groupID, Locks: e.sub.mode.holdsLocks()}
+		branches[i] = offsets.IdleBranch{Tables: &e.sub.store.T, GroupID: e.sub.groupID, Locks: e.sub.mode.holdsLocks(), Ordered: e.sub.cfg.OrderByKey}
 	}
 	return offsets.IdleLookSQL(branches, held)
 }

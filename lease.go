@@ -78,6 +78,12 @@ func (l *leaseMode) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Cla
 		// 0 if it cannot be had. dropUnsure needs it after the connection is gone.
 		pid, _ = conn.PID(ctx)
 		var err error
+		if sub.cfg.OrderByKey {
+			// Ordered claims always look at what is due: a parked message's key frees when
+			// another message of its key is settled, by any consumer.
+			claimed, err = sub.store.ClaimOrdered(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, max(sub.claimer.passRoom, orderedPass), buf)
+			return err
+		}
 		claimed, err = sub.store.ClaimPassing(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, sub.claimer.passRoom, due, buf)
 		return err
 	})
@@ -90,6 +96,10 @@ func (l *leaseMode) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Cla
 	}
 	return claimed, token, err
 }
+
+// orderedPass is how many messages an ordered claim may pass besides its room: those it
+// parks behind their key, and delayed ones.
+const orderedPass = 1000
 
 // dropUnsure gives back claims whose rows arrived before their statement failed, which none
 // of them is handed out for: the connection may have been cut after the server committed

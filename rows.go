@@ -3,6 +3,7 @@ package sqlbroker
 import (
 	"encoding/json"
 	"fmt"
+	"maps"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -36,7 +37,22 @@ func (p *Publisher) rows(topic string, messages []*message.Message) ([]offsets.R
 		if len(msg.Payload) > p.config.MaxPayloadBytes {
 			return nil, fail(fmt.Sprintf("payload is %d bytes, MaxPayloadBytes is %d", len(msg.Payload), p.config.MaxPayloadBytes))
 		}
-		meta, err := encodeMetadata(msg.Metadata)
+		md := msg.Metadata
+		if p.config.OrderKey != nil && md.Get(MetadataOrderKey) == "" {
+			key, err := p.config.OrderKey(topic, msg)
+			if err != nil {
+				return nil, fail("OrderKey: " + err.Error())
+			}
+			if key != "" {
+				// Stored with the message, leaving the caller's message as it was.
+				md = maps.Clone(md)
+				if md == nil {
+					md = message.Metadata{}
+				}
+				md.Set(MetadataOrderKey, key)
+			}
+		}
+		meta, err := encodeMetadata(md)
 		if err != nil {
 			return nil, fail(err.Error())
 		}

@@ -257,6 +257,10 @@ func (st *settler) apply(op string, sts []settlement) []settlement {
 // count counts a settlement whose statement ran: applied, acked by the caller's committed
 // transaction, or refused as stale (its row no longer carries the delivery's token).
 func (st *settler) count(x settlement, applied, lostBefore bool) {
+	if st.sub.cfg.OrderByKey && (applied && x.op == "ack" || x.d.wasAckedInTx()) {
+		// The next message of its key, parked, may go now: the next claim looks.
+		st.sub.claimer.markDue(time.Now())
+	}
 	switch {
 	case applied:
 		st.countApplied(x.op)

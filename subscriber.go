@@ -21,6 +21,11 @@ const (
 	// "1" the first time, and one more every time it is claimed again after a nack, a lost
 	// lease or a dead consumer.
 	MetadataAttempt = "sqlbroker_attempt"
+	// MetadataOrderKey holds a message's order key: within a consumer group that sets
+	// SubscriberConfig.OrderByKey, messages with the same key are handled one after another,
+	// in the group's order. Set it before publishing, or let PublisherConfig.OrderKey compute
+	// it. A message without it is not ordered.
+	MetadataOrderKey = offsets.MetaOrderKey
 	// MetadataOffset is the message's offset in its topic.
 	MetadataOffset = "sqlbroker_offset"
 )

@@ -71,6 +71,7 @@ var (
 	descLag          = prometheus.NewDesc(ns+"_group_lag_messages", "Messages after the consumer group's position: published and not yet handed out to it. Exact up to the count cap, estimated from offsets past it (see sqlbroker_group_lag_estimated).", groupLabels, nil)
 	descLagEstimated = prometheus.NewDesc(ns+"_group_lag_estimated", "1 when sqlbroker_group_lag_messages passed the count cap and is the newest offset minus the group's.", groupLabels, nil)
 	descInWork       = prometheus.NewDesc(ns+"_group_claims_in_work", "Messages claimed by a consumer of the group and not settled: leased, or held by an advisory lock.", groupLabels, nil)
+	descParked       = prometheus.NewDesc(ns+"_group_parked_messages", "Messages of a group ordered by key that wait behind an earlier message of their key.", groupLabels, nil)
 	descWaiting      = prometheus.NewDesc(ns+"_group_claims_waiting", "Nacked messages waiting for their backoff before they can be claimed again.", groupLabels, nil)
 	descDue          = prometheus.NewDesc(ns+"_group_claims_due", "Messages due again now: nacked or given back with their backoff passed, or whose lease ran out.", groupLabels, nil)
 	descHeldBack     = prometheus.NewDesc(ns+"_group_held_back_messages", "Committed messages after the group's position that the oldest running transaction of the cluster holds back from delivery (counted up to the cap).", groupLabels, nil)
@@ -145,7 +146,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 		return
 	}
 	for _, d := range []*prometheus.Desc{
-		descLag, descLagEstimated, descInWork, descWaiting, descDue, descHeldBack, descOldest, descOffset,
+		descLag, descLagEstimated, descInWork, descWaiting, descParked, descDue, descHeldBack, descOldest, descOffset,
 		descHorizon, descTopicError, descScrapeError, descMoreTopics, descDuration,
 	} {
 		ch <- d
@@ -223,6 +224,7 @@ func (c *Collector) collectDatabase(ch chan<- prometheus.Metric) {
 			gauge(descLagEstimated, flag(g.LagEstimated), l...)
 			gauge(descInWork, float64(g.InWork), l...)
 			gauge(descWaiting, float64(g.Waiting), l...)
+			gauge(descParked, float64(g.Parked), l...)
 			gauge(descDue, float64(g.Due), l...)
 			if !ins.Horizon.NotApplicable {
 				gauge(descHeldBack, float64(g.HeldBack), l...)

@@ -73,7 +73,7 @@ func TestCollector_scrapeMatchesDatabase(t *testing.T) {
 		WHERE g.consumer_group = 'behind' AND (m.xid, m."offset") > (g.last_xid, g.last_offset)
 		  AND m.xid >= pg_snapshot_xmin(pg_current_snapshot())`)
 	claims := func(cond string) float64 {
-		return float64(f.Int(t, `SELECT count(*) FROM `+f.Tables.Claims+` c JOIN `+f.Tables.Groups+` g USING (group_id)
+		return float64(f.Int(t, `SELECT coalesce(sum(cardinality(c.offsets)), 0) FROM `+f.Tables.Claims+` c JOIN `+f.Tables.Groups+` g USING (group_id)
 			WHERE g.consumer_group = 'ahead' AND `+cond))
 	}
 	lagOf := func(group string) float64 {
@@ -85,9 +85,9 @@ func TestCollector_scrapeMatchesDatabase(t *testing.T) {
 	assert.Equal(t, 12.0, got["sqlbroker_group_lag_messages"][behind], "the group that is behind")
 	assert.Equal(t, lagOf("ahead"), got["sqlbroker_group_lag_messages"][ahead])
 	assert.Equal(t, 0.0, got["sqlbroker_group_lag_estimated"][behind])
-	assert.Equal(t, claims(`token <> 0 AND visible_at > now()`), got["sqlbroker_group_claims_in_work"][ahead])
+	assert.Equal(t, claims(`token > 0 AND visible_at > now()`), got["sqlbroker_group_claims_in_work"][ahead])
 	assert.Equal(t, 3.0, got["sqlbroker_group_claims_in_work"][ahead])
-	assert.Equal(t, claims(`token = 0 AND visible_at > now()`), got["sqlbroker_group_claims_waiting"][ahead])
+	assert.Equal(t, claims(`token <= 0 AND visible_at > now()`), got["sqlbroker_group_claims_waiting"][ahead])
 	assert.Equal(t, 1.0, got["sqlbroker_group_claims_waiting"][ahead])
 	assert.Equal(t, claims(`visible_at <= now()`), got["sqlbroker_group_claims_due"][ahead])
 	assert.Equal(t, 2.0, got["sqlbroker_group_claims_due"][ahead])

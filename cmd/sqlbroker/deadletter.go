@@ -8,7 +8,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"net/url"
+	"os"
 	"sort"
 	"strconv"
 	"strings"
@@ -226,6 +228,9 @@ func openSQLite(ctx context.Context, rest string) (sqlbroker.DB, func(), error) 
 	db.SetMaxOpenConns(2)
 	if err := db.PingContext(ctx); err != nil {
 		_ = db.Close()
+		if _, serr := os.Stat(path); errors.Is(serr, fs.ErrNotExist) && params.Get("mode") == "rw" {
+			return sqlbroker.DB{}, nil, fmt.Errorf("opening sqlite:%s: no such file (the command opens an existing database; add ?mode=rwc to create one)", path)
+		}
 		return sqlbroker.DB{}, nil, fmt.Errorf("opening sqlite:%s: %w", path, err)
 	}
 	return sqlbroker.SQLite(db), func() { _ = db.Close() }, nil

@@ -479,7 +479,7 @@ func (o output) inspection(ins sqlbroker.Inspection) error {
 		enc.SetIndent("", "  ")
 		return enc.Encode(ins)
 	}
-	tw := o.table("TOPIC", "GROUP", "OFFSET", "LAG", "IN WORK", "WAITING", "DUE", "HELD BACK", "OLDEST UNSETTLED", "MOVED")
+	tw := o.table("TOPIC", "GROUP", "OFFSET", "LAG", "IN WORK", "WAITING", "DUE", "PARKED", "HELD BACK", "OLDEST UNSETTLED", "MOVED")
 	for _, t := range ins.Topics {
 		if t.Error != "" {
 			fmt.Fprintf(tw, "%s\t(error: see below)\n", t.Topic)
@@ -497,8 +497,8 @@ func (o output) inspection(ins sqlbroker.Inspection) error {
 			if ins.Horizon.NotApplicable {
 				heldBack = "n/a"
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%d\t%d\t%d\t%s\t%s\t%s ago\n", t.Topic, g.Group, g.Offset, lag,
-				g.InWork, g.Waiting, g.Due, heldBack, dur(g.OldestUnsettled), dur(g.SinceMoved))
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%d\t%d\t%d\t%d\t%s\t%s\t%s ago\n", t.Topic, g.Group, g.Offset, lag,
+				g.InWork, g.Waiting, g.Due, g.Parked, heldBack, dur(g.OldestUnsettled), dur(g.SinceMoved))
 		}
 	}
 	if ins.MoreTopics {

@@ -69,7 +69,7 @@ func TestCommand_inspect(t *testing.T) {
 	require.Equal(t, 0, code, stderr)
 	lines := strings.Split(out, "\n")
 	require.GreaterOrEqual(t, len(lines), 3)
-	assert.Equal(t, []string{"TOPIC", "GROUP", "OFFSET", "LAG", "IN", "WORK", "WAITING", "DUE", "HELD", "BACK", "OLDEST", "UNSETTLED", "MOVED"}, strings.Fields(lines[0]))
+	assert.Equal(t, []string{"TOPIC", "GROUP", "OFFSET", "LAG", "IN", "WORK", "WAITING", "DUE", "PARKED", "HELD", "BACK", "OLDEST", "UNSETTLED", "MOVED"}, strings.Fields(lines[0]))
 	ahead := strings.Fields(lines[1])
 	behind := strings.Fields(lines[2])
 	assert.Equal(t, []string{f.Topic, "ahead", "6", "4", "3", "1", "2"}, ahead[:7])

@@ -3,6 +3,9 @@ package main
 import (
 	"database/sql"
 	"encoding/json"
+	"io/fs"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -102,7 +105,7 @@ func TestCommand_inspectSQLiteMatchesPostgres(t *testing.T) {
 	code, out, stderr := sqlbrokerCmd(t, nil, "inspect", "-url", liteURL, "-topic", topic)
 	require.Equal(t, 0, code, stderr)
 	lines := strings.Split(out, "\n")
-	assert.Equal(t, []string{topic, "ahead", "8", "2", "3", "1", "2", "n/a"}, strings.Fields(lines[1])[:8])
+	assert.Equal(t, []string{topic, "ahead", "8", "2", "3", "1", "2", "0", "n/a"}, strings.Fields(lines[1])[:9])
 	assert.Contains(t, out, "xmin horizon: not applicable")
 	assert.Contains(t, out, "leased until")
 	assert.Contains(t, out, "nacked, due again in")
@@ -222,4 +225,15 @@ func TestCommand_unknownSchemeNamesSQLite(t *testing.T) {
 	assert.Contains(t, stderr, "sqlite:")
 	assert.Contains(t, stderr, "unknown scheme")
 	assert.NotContains(t, stderr, "hunter2")
+}
+
+// A sqlite: URL naming a file that does not exist says so, and creates nothing.
+func TestCommand_sqliteMissingFileSaysSo(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "nosuch.db")
+	code, _, stderr := sqlbrokerCmd(t, nil, "inspect", "-url", "sqlite:"+path)
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "no such file")
+	assert.Contains(t, stderr, "mode=rwc")
+	_, err := os.Stat(path)
+	assert.ErrorIs(t, err, fs.ErrNotExist, "the command created the file")
 }

@@ -12,6 +12,8 @@ type Dialect struct {
 	Name string
 	// Notify: NOTIFY exists, so a pool that is Listenable can wake other processes' subscribers.
 	Notify bool
+	// OrderedClaims: claims ordered by key exist (SubscriberConfig.OrderByKey).
+	OrderedClaims bool
 	// AdvisoryLocks: session advisory locks exist (the advisory claim mode).
 	AdvisoryLocks bool
 	// Schemas: tables live in named schemas.
@@ -31,7 +33,7 @@ type Dialect struct {
 var (
 	// Postgres is PostgreSQL, through pgx or database/sql. Its wire protocol counts bind
 	// parameters in 16 bits.
-	Postgres = Dialect{Name: "PostgreSQL", Notify: true, AdvisoryLocks: true, Schemas: true, BackendPIDs: true, Copy: true, StatementTimeouts: true, MaxParams: 65535}
+	Postgres = Dialect{Name: "PostgreSQL", Notify: true, OrderedClaims: true, AdvisoryLocks: true, Schemas: true, BackendPIDs: true, Copy: true, StatementTimeouts: true, MaxParams: 65535}
 	// SQLite is SQLite through modernc.org/sqlite, whose SQLITE_MAX_VARIABLE_NUMBER is the
 	// default 32766.
 	SQLite = Dialect{Name: "SQLite", InProcess: true, MaxParams: 32766}

@@ -31,6 +31,9 @@ type database interface {
 	claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error)
 	claimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due bool, out []Claimed) ([]Claimed, error)
 	heldBack(ctx context.Context, q dbx.Querier, groupID int32) (int, error)
+	// claimOrdered is claim for a group ordered by key, in a transaction of its own begun on
+	// b; nil, ErrOrderUnsupported where the database has none.
+	claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, error)
 
 	// Settlements: ack, nack, release and extend (d is the backoff or the lease), and the move
 	// of claims to another topic's messages table.

@@ -176,6 +176,9 @@ type GroupState struct {
 	InWork int64
 	// Waiting counts nacked claims whose backoff has not passed.
 	Waiting int64
+	// Parked counts messages of a group ordered by key that wait behind an earlier message
+	// of their key.
+	Parked int64
 	// Due counts claims that any consumer may take again now: nacked or given back and
 	// their backoff passed, or whose lease ran out.
 	Due int64
@@ -206,7 +209,7 @@ func (t Tables) Inspect(ctx context.Context, q dbx.Querier, countCap, maxGroups 
 	for rows.Next() {
 		var g GroupState
 		var newest int64
-		if err := rows.Scan(&g.Group, &g.Offset, &g.Lag, &newest, &g.InWork, &g.Waiting, &g.Due, &g.HeldBack, &g.OldestUnsettledAge, &g.SinceMoved); err != nil {
+		if err := rows.Scan(&g.Group, &g.Offset, &g.Lag, &newest, &g.InWork, &g.Waiting, &g.Due, &g.Parked, &g.HeldBack, &g.OldestUnsettledAge, &g.SinceMoved); err != nil {
 			return nil, err
 		}
 		if g.Lag >= int64(countCap) {

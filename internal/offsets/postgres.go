@@ -32,6 +32,8 @@ type pgTopic struct {
 	claimNewSQL         string // new messages only
 	claimLockedSQL      string
 	claimLockedNewSQL   string
+	claimOrderedSQL     string
+	lockGroupSQL        string
 	ackSQL              string
 	nackSQL             string
 	releaseSQL          string
@@ -71,6 +73,8 @@ func (postgres) prepare(t Tables, asyncCommit bool) database {
 	s.claimNewSQL = claimSQL(t, with, cond, false, false)
 	s.claimLockedSQL = claimSQL(t, with, cond, true, true)
 	s.claimLockedNewSQL = claimSQL(t, with, cond, false, true)
+	s.claimOrderedSQL = orderedClaimSQL(t, with, cond)
+	s.lockGroupSQL = fmt.Sprintf(lockGroupRowSQL, t.Groups)
 
 	// Settlements always run under the asynchronous-commit prefix when it is asked for.
 	s.ackSQL = settleSQL(t, with, cond, settleAck, "")
@@ -149,7 +153,7 @@ const nextWaitingSQL = `SELECT nx."offset" FROM %[2]s nx
 // leaves out, price a probe as one per partition and scan every partition instead; the
 // subquery under LIMIT is never turned into a join.
 func byOffsetSQL(alias, at string) string {
-	return `LATERAL (SELECT b."offset", b."uuid", b."payload", b."metadata" FROM %[2]s b WHERE b."offset" = ` + at + ` LIMIT 1) ` + alias
+	return `LATERAL (SELECT b."offset", b."xid", b."uuid", b."payload", b."metadata", b."deliver_at" FROM %[2]s b WHERE b."offset" = ` + at + ` LIMIT 1) ` + alias
 }
 
 // claimTailSQL ends both claim statements: it advances the group's position past the new
@@ -217,6 +221,26 @@ func (s postgres) claim(ctx context.Context, q dbx.Querier, groupID int32, token
 		return out, err
 	}
 	return scanClaimed(rows, out)
+}
+
+func (s postgres) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, error) {
+	n := len(out)
+	err := dbx.InTx(ctx, b, func(tx dbx.Tx) error {
+		out = out[:n]
+		if _, err := tx.Exec(ctx, s.lockGroupSQL, groupID); err != nil {
+			return err
+		}
+		rows, err := dbx.QueryWrite(ctx, tx, s.claimOrderedSQL, groupID, token, ms(ttl), limit, pass, MaxParked)
+		if err != nil {
+			return err
+		}
+		out, err = scanClaimed(rows, out)
+		return err
+	})
+	if err != nil {
+		return out[:n], err
+	}
+	return out, nil
 }
 
 // claimLocked is ClaimLockedPassing (see claimLockedSQL).
@@ -460,6 +484,7 @@ END `, quoteLiteral(t.Claims), t.Claims, ident.Quote(old), ident.Qualified(t.Sch
 	"attempts"   integer     NOT NULL,
 	"visible_at" timestamptz NOT NULL,
 	"offsets"    bigint[]    NOT NULL,
+	"order_key"  bigint,
 	CONSTRAINT %s PRIMARY KEY ("group_id", "token", "attempts")
 ) WITH (fillfactor = 50);
 `, t.Claims, t.obj("_c_pkey"))
@@ -614,6 +639,7 @@ type IdleBranch struct {
 	Tables  *Tables
 	GroupID int32
 	Locks   bool // the advisory mode: claims held by locks are counted against $1
+	Ordered bool // ordered by key: parked messages are work, one may be free to go
 }
 
 // IdleLookSQL is PostgreSQL's statement of the shared poll of idle subscriptions: one branch
@@ -637,12 +663,16 @@ func IdleLookSQL(branches []IdleBranch, held []int64) (string, bool) {
 			continue
 		}
 		t, g := br.Tables, br.GroupID
-		fmt.Fprintf(&b, `SELECT %[1]d::bigint WHERE (SELECT 1 FROM %[2]s c WHERE c."group_id" = %[5]d AND c."visible_at" <= now() LIMIT 1) IS NOT NULL
-	OR (SELECT nx."offset" FROM %[3]s nx
-		WHERE (nx."xid", nx."offset") > ((SELECT "last_xid" FROM %[4]s WHERE "group_id" = %[5]d), (SELECT "last_offset" FROM %[4]s WHERE "group_id" = %[5]d))
-		  AND nx."offset" >= (SELECT "floor_offset" FROM %[4]s WHERE "group_id" = %[5]d)
-		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot())
-		ORDER BY nx."xid", nx."offset" LIMIT 1) IS NOT NULL`, i, t.Claims, t.Messages, t.Groups, g)
+		// The next message waiting is found by the claim's own step (nextWaitingSQL), from
+		// the group's row; the names are put in by replacement, not as a format, since a
+		// topic may hold a %.
+		next := strings.ReplaceAll(nextWaitingSQL, "%[2]s", t.Messages)
+		fmt.Fprintf(&b, `SELECT %d::bigint WHERE (SELECT 1 FROM %s c WHERE c."group_id" = %d AND c."visible_at" <= now() LIMIT 1) IS NOT NULL
+	OR (SELECT (%s) FROM %s gr WHERE gr."group_id" = %d) IS NOT NULL`, i, t.Claims, g, next, t.Groups, g)
+		if br.Ordered {
+			fmt.Fprintf(&b, `
+	OR (SELECT 1 FROM %[1]s c WHERE c."group_id" = %[2]d AND c."order_key" IS NOT NULL LIMIT 1) IS NOT NULL`, t.Claims, g)
+		}
 		if br.Locks {
 			adv = true
 			n := fmt.Sprintf("($1::bigint[])[%d]", i+1)
@@ -650,7 +680,7 @@ func IdleLookSQL(branches []IdleBranch, held []int64) (string, bool) {
 				n = fmt.Sprintf("%d::bigint", held[i])
 			}
 			fmt.Fprintf(&b, `
-	OR (SELECT coalesce(sum(cardinality(c."offsets")), 0) FROM %[1]s c WHERE c."group_id" = %[2]d AND c."visible_at" = 'infinity') > %[3]s`, t.Claims, g, n)
+	OR (SELECT coalesce(sum(cardinality(c."offsets")), 0) FROM %[1]s c WHERE c."group_id" = %[2]d AND c."visible_at" = 'infinity' AND c."token" > 0) > %[3]s`, t.Claims, g, n)
 		}
 	}
 	return b.String(), adv

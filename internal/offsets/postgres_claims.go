@@ -253,7 +253,7 @@ var settleNames = map[settleOp]string{settleAck: "ack", settleNack: "nack", sett
 // however many live ones come first. (Reading pg_locks instead costs a copy of the server's
 // whole lock table per call: tens of milliseconds with a few thousand locks held.)
 const heldSQL = `SELECT x.o FROM %s c, unnest(c."offsets") x(o)
-WHERE c."group_id" = $1 AND c."visible_at" = 'infinity' AND x.o > $2
+WHERE c."group_id" = $1 AND c."visible_at" = 'infinity' AND c."token" > 0 AND x.o > $2
   AND x.o <> ALL ($3::bigint[])
 ORDER BY x.o
 LIMIT $4`
@@ -265,7 +265,7 @@ LIMIT $4`
 // nacked or released is in a row that is no longer 'infinity', and neither is returned (A4).
 var adoptSQL = `WITH k AS (
 	SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM %[1]s c
-	WHERE c."group_id" = $1 AND c."visible_at" = 'infinity' AND c."offsets" && $3::bigint[]
+	WHERE c."group_id" = $1 AND c."visible_at" = 'infinity' AND c."token" > 0 AND c."offsets" && $3::bigint[]
 	FOR UPDATE
 ), hit AS (
 	SELECT k.r, k."token", k."attempts", g.gone, cardinality(g.gone) = cardinality(k."offsets") AS whole
@@ -290,3 +290,140 @@ var adoptSQL = `WITH k AS (
 SELECT m."offset", m."uuid", m."payload", m."metadata"::text, done."attempts", 0, 0::float8
 FROM done, ` + byOffsetSQL("m", "done.o") + `
 ORDER BY m."offset"`
+
+// MetaOrderKey is the metadata key that holds a message's order key.
+const MetaOrderKey = "sqlbroker_order_key"
+
+// orderKeySQL is the order key of message m as a number: a 64-bit hash of the key's text, or
+// NULL when the message has none. Two keys with the same hash are ordered together, as one.
+const orderKeySQL = `CASE WHEN m."metadata" ? '` + MetaOrderKey + `' THEN hashtextextended(m."metadata" ->> '` + MetaOrderKey + `', 0) END`
+
+// orderedClaimSQL is the lease mode's claim for a group ordered by key. Run it in a
+// transaction that has locked the group's row first (lockGroupRowSQL): the claims of a group
+// then run one after another, each with a snapshot taken after the one before committed, so
+// that each sees every claim made before it. Settlements only take offsets out of rows; only
+// claims decide which message of a key may go next.
+//
+// A message of a key goes to a handler only once every message of its key before it in the
+// group's order is settled. So at most one message of a key is unsettled and not parked: held,
+// due again, or delayed. The others wait in parked rows, one per message ("order_key" set,
+// visible_at 'infinity', no holder), which the group's position passes as it passes delayed
+// messages:
+//   - cl, busy: the group's rows, and the keys of its unsettled messages that are not parked
+//     (their metadata read by offset);
+//   - due (as in claimSQL): offsets due again, which are first of their key by the above;
+//   - h: parked messages first of their key (in the group's order) whose key is not busy, up
+//     to the room the due ones left; those whose time has not come (delayed) become a row due
+//     at their time instead of being handed out;
+//   - m0, m1, m: new messages, up to the room left plus $5 passed: a message with a key is
+//     parked when its key is busy, has parked messages, or came earlier in this claim; up to
+//     $6 parked rows, no new message is read, so that the parked ones, which every claim
+//     reads, stay few;
+//   - the rows written as in claimSQL, and the parked ones.
+//
+// $1 group, $2 token, $3 the lease in ms, $4 the room, $5 the delayed or parked messages it may
+// pass, $6 the most parked messages the group keeps.
+func orderedClaimSQL(t Tables, with, cond string) string {
+	return fmt.Sprintf(`%[4]scl AS MATERIALIZED (
+	SELECT c."token", c."attempts", c."offsets", c."order_key" FROM %[3]s c WHERE c."group_id" = $1
+), busy AS MATERIALIZED (
+	SELECT DISTINCT `+orderKeySQL+` AS k
+	FROM cl, unnest(cl."offsets") x(o), `+byOffsetSQL("m", "x.o")+`
+	WHERE cl."order_key" IS NULL AND m."metadata" ? '`+MetaOrderKey+`'
+), d0 AS (
+	SELECT c."token", c."attempts", c."offsets" FROM %[3]s c
+	WHERE c."group_id" = $1 AND c."visible_at" <= now() AND c."order_key" IS NULL%[5]s
+	ORDER BY c."offsets"[1] LIMIT $4
+	FOR UPDATE SKIP LOCKED
+), d1 AS (
+	SELECT d0.*, sum(cardinality(d0."offsets")) OVER (ORDER BY d0."offsets"[1] ROWS UNBOUNDED PRECEDING) AS upto FROM d0
+), due AS (
+	SELECT x.o AS "offset", d1."token", d1."attempts" FROM d1,
+	unnest(d1."offsets"[1 : least(cardinality(d1."offsets"), $4 - (d1.upto - cardinality(d1."offsets")))::int]) x(o)
+), h0 AS (
+	SELECT DISTINCT ON (cl."order_key") cl."token", cl."offsets"[1] AS o, cl."order_key" AS k, m."xid",
+		CASE WHEN m."deliver_at" > now() THEN m."deliver_at" END AS later
+	FROM cl, `+byOffsetSQL("m", `cl."offsets"[1]`)+`
+	WHERE cl."order_key" IS NOT NULL AND cl."order_key" NOT IN (SELECT k FROM busy)
+	ORDER BY cl."order_key", m."xid", m."offset"
+), h AS (
+	SELECT * FROM h0 ORDER BY h0."xid", h0.o LIMIT greatest($4 - (SELECT count(*) FROM due), 0)
+), hdel AS (
+	DELETE FROM %[3]s c USING h WHERE c."group_id" = $1 AND c."token" = h."token" AND c."attempts" = 0
+), room AS (
+	SELECT $4 - (SELECT count(*) FROM due) - (SELECT count(*) FROM h WHERE h.later IS NULL) AS n
+), g AS (
+	SELECT gr."last_xid", gr."last_offset", gr."floor_offset" FROM %[1]s gr
+	WHERE gr."group_id" = $1 AND (SELECT n FROM room) > 0
+	  AND (SELECT count(*) FROM cl WHERE cl."order_key" IS NOT NULL) < $6
+	FOR UPDATE
+), m0 AS (
+	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", `+delayedSQL+` AS "later", `+orderKeySQL+` AS k
+	FROM %[2]s m
+	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
+	  AND m."offset" >= (SELECT "floor_offset" FROM g)
+	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
+	ORDER BY m."xid", m."offset"
+	LIMIT (SELECT n FROM room) + $5
+), m1 AS (
+	SELECT m0.*, CASE
+		WHEN m0.k IS NOT NULL AND (m0.k IN (SELECT k FROM busy) OR m0.k IN (SELECT cl."order_key" FROM cl WHERE cl."order_key" IS NOT NULL)
+			OR row_number() OVER (PARTITION BY m0.k ORDER BY m0."xid", m0."offset") > 1) THEN 'p'
+		WHEN m0."later" IS NOT NULL THEN 'd'
+		ELSE 'c' END AS cls
+	FROM m0
+), m AS (
+	SELECT w.* FROM (
+		SELECT m1.*, count(*) FILTER (WHERE m1.cls = 'c') OVER (ORDER BY m1."xid", m1."offset" ROWS UNBOUNDED PRECEDING) AS nth FROM m1
+	) w
+	WHERE w.nth - (w.cls = 'c')::int < (SELECT n FROM room)
+), r AS (
+	SELECT due."offset", due."token", due."attempts" + 1 AS "attempts" FROM due
+), mv AS (
+	SELECT r."token", r."attempts" - 1 AS "attempts", array_agg(r."offset") AS gone FROM r GROUP BY r."token", r."attempts"
+), rdel AS (
+	DELETE FROM %[3]s c USING mv, d1
+	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
+	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") = cardinality(mv.gone)
+), rupd AS (
+	UPDATE %[3]s c SET "offsets" = ARRAY(SELECT o FROM unnest(d1."offsets") o WHERE o <> ALL (mv.gone))
+	FROM mv, d1
+	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
+	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") > cardinality(mv.gone)
+), ins AS (
+	INSERT INTO %[3]s AS c ("group_id", "token", "attempts", "visible_at", "offsets", "order_key")
+	SELECT $1, $2::bigint, a.att, (SELECT clock_timestamp() + $3::float8 * interval '1 millisecond'), array_agg(a.o ORDER BY a.o), NULL::bigint FROM (
+		SELECT r."offset" AS o, r."attempts" AS att FROM r
+		UNION ALL
+		SELECT h.o, 1 FROM h WHERE h.later IS NULL
+		UNION ALL
+		SELECT m."offset", 1 FROM m WHERE m.cls = 'c'
+	) a GROUP BY a.att
+	UNION ALL
+	SELECT $1, `+unheldTokenSQL+`, 0, h.later, ARRAY[h.o], NULL FROM h WHERE h.later IS NOT NULL
+	UNION ALL
+	SELECT $1, `+unheldTokenSQL+`, 0, m."later", ARRAY[m."offset"], NULL FROM m WHERE m.cls = 'd'
+	UNION ALL
+	SELECT $1, `+unheldTokenSQL+`, 0, 'infinity', ARRAY[m."offset"], m.k FROM m WHERE m.cls = 'p'
+), upd AS (
+	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
+	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
+	WHERE "group_id" = $1
+)
+SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts", x.kind, x.at FROM (
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS kind, 0::bigint AS o1, r."offset" AS o2, 0::float8 AS at
+	FROM r, `+byOffsetSQL("msg", `r."offset"`)+`
+	UNION ALL
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", 1, 1, 0, h.o, 0::float8
+	FROM h, `+byOffsetSQL("msg", "h.o")+` WHERE h.later IS NULL
+	UNION ALL
+	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, 1, row_number() OVER (ORDER BY m."xid", m."offset"), 0::float8
+	FROM m WHERE m.cls = 'c'
+	UNION ALL
+	SELECT x.o, '', ''::bytea, '{}'::jsonb, 0, 2, 0, x.o, extract(epoch FROM x.later)::float8 * 1000
+	FROM (SELECT h.o, h.later FROM h WHERE h.later IS NOT NULL UNION ALL SELECT m."offset", m."later" FROM m WHERE m.cls = 'd') x
+) x ORDER BY x.kind, x.o1, x.o2`, t.Groups, t.Messages, t.Claims, with, cond)
+}
+
+// lockGroupRowSQL locks group $1's row until the transaction ends (see orderedClaimSQL).
+const lockGroupRowSQL = `SELECT 1 FROM %s WHERE "group_id" = $1 FOR UPDATE`

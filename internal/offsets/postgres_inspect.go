@@ -21,7 +21,7 @@ const inspectSQL = `SELECT g."consumer_group", g."last_offset",
 	(SELECT count(*) FROM (SELECT 1 FROM %[1]s m
 		WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset") AND m."offset" >= g."floor_offset" LIMIT $1) x),
 	coalesce((SELECT max(m."offset") FROM %[1]s m), 0),
-	cl.in_work, cl.waiting, cl.due,
+	cl.in_work, cl.waiting, cl.due, cl.parked,
 	(SELECT count(*) FROM (SELECT 1 FROM %[1]s m
 		WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset") AND m."offset" >= g."floor_offset"
 		  AND m."xid" >= pg_snapshot_xmin(pg_current_snapshot()) LIMIT $1) x),
@@ -35,9 +35,10 @@ const inspectSQL = `SELECT g."consumer_group", g."last_offset",
 FROM %[3]s g,
 LATERAL (SELECT
 		coalesce(sum(cardinality(c."offsets")) FILTER (WHERE c."token" > 0 AND c."visible_at" > now()), 0) AS in_work,
-		coalesce(sum(cardinality(c."offsets")) FILTER (WHERE c."token" <= 0 AND c."visible_at" > now()), 0) AS waiting,
-		coalesce(sum(cardinality(c."offsets")) FILTER (WHERE c."visible_at" <= now()), 0) AS due
-	FROM (SELECT c."token", c."visible_at", c."offsets" FROM %[2]s c WHERE c."group_id" = g."group_id" LIMIT $1) c) cl
+		coalesce(sum(cardinality(c."offsets")) FILTER (WHERE c."token" <= 0 AND c."visible_at" > now() AND c."order_key" IS NULL), 0) AS waiting,
+		coalesce(sum(cardinality(c."offsets")) FILTER (WHERE c."visible_at" <= now()), 0) AS due,
+		coalesce(sum(cardinality(c."offsets")) FILTER (WHERE c."order_key" IS NOT NULL), 0) AS parked
+	FROM (SELECT c."token", c."visible_at", c."offsets", c."order_key" FROM %[2]s c WHERE c."group_id" = g."group_id" LIMIT $1) c) cl
 ORDER BY g."consumer_group"
 LIMIT $2`
 

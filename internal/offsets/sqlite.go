@@ -491,6 +491,11 @@ func (sqlite) heldBack(context.Context, dbx.Querier, int32) (int, error) { retur
 // errNoAdvisoryLocks refuses the advisory claim mode's statements on SQLite.
 var errNoAdvisoryLocks = errors.New("offsets: the advisory claim mode needs advisory locks, which SQLite does not have")
 
+// claimOrdered: SQLite has no claims ordered by key yet.
+func (sqlite) claimOrdered(context.Context, dbx.Beginner, int32, int64, time.Duration, int, int, []Claimed) ([]Claimed, error) {
+	return nil, ErrOrderUnsupported
+}
+
 func (sqlite) claimLocked(context.Context, dbx.Querier, int32, int64, int, int, int32, []int64, bool, []Claimed) ([]Claimed, error) {
 	return nil, errNoAdvisoryLocks
 }

@@ -23,7 +23,8 @@ ORDER BY t."name"
 LIMIT ?3`
 
 // sqliteInspectSQL reads every consumer group of the topic, up to ?2, in one statement, with
-// the columns of PostgreSQL's inspectSQL: each figure is a bounded scan (the lag stops at ?1
+// the columns of PostgreSQL's inspectSQL (no message is parked: SQLite has no groups ordered
+// by key): each figure is a bounded scan (the lag stops at ?1
 // rows, the claims at ?1 rows of the group's key range). Nothing is held back on SQLite:
 // offsets commit in order. The oldest unsettled message is the older of the group's claim
 // with the lowest offset and the next message after its position (either may be missing).
@@ -37,6 +38,7 @@ const sqliteInspectSQL = `SELECT g."consumer_group", g."last_offset",
 		FROM (SELECT "token", "visible_at" FROM %[2]s WHERE "group_id" = g."group_id" LIMIT ?1) c),
 	(SELECT coalesce(sum(c."visible_at" <= ` + sqliteNow + `), 0)
 		FROM (SELECT "visible_at" FROM %[2]s WHERE "group_id" = g."group_id" LIMIT ?1) c),
+	0,
 	0,
 	coalesce((` + sqliteNow + ` - min(coalesce(g.claimed, g.next), coalesce(g.next, g.claimed))) / 1000.0, 0.0),
 	(` + sqliteNow + ` - g."updated_at") / 1000.0

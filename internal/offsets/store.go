@@ -2,6 +2,7 @@ package offsets
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -103,6 +104,21 @@ func (s *Store) Claim(ctx context.Context, q dbx.Querier, groupID int32, token i
 // by one with room to pass many: the run may go on.
 func (s *Store) ClaimPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
 	return s.db.claim(ctx, q, groupID, token, ttl, limit, pass, due, out)
+}
+
+// ErrOrderUnsupported says that the database has no claims ordered by key.
+var ErrOrderUnsupported = errors.New("offsets: this database has no claims ordered by key")
+
+// MaxParked is the most messages of a group ordered by key that wait parked behind their key:
+// while as many wait, a claim reads no new message (see orderedClaimSQL).
+const MaxParked = 10_000
+
+// ClaimOrdered is ClaimPassing for a group ordered by key (MetaOrderKey): a message of a key
+// is claimed only once every message of its key before it in the group's order is settled;
+// the others wait parked. It runs in a transaction of its own begun on b, which locks the
+// group's row first, so that the group's ordered claims run one after another.
+func (s *Store) ClaimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, error) {
+	return s.db.claimOrdered(ctx, b, groupID, token, ttl, limit, pass, out)
 }
 
 // Fenced is a claim identified by its offset and the token it was claimed under.
