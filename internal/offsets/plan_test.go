@@ -476,8 +476,8 @@ func TestClaimLockedSkipsHeldLocks(t *testing.T) {
 // TestClaimSkipsPassedPartitions checks that a claim reads only the partitions its group may
 // still need: with 20 partitions of messages and the groups near the end, after a
 // maintenance pass has moved their floors, no node of any claim statement's plan (generic or
-// custom) that reads a partition below the floor runs, so none of those partitions' index or
-// heap pages are read.
+// custom; both claim modes, with and without the due step, and ordered by key) that reads a
+// partition below the floor runs, so none of those partitions' index or heap pages are read.
 func TestClaimSkipsPassedPartitions(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -499,7 +499,7 @@ func TestClaimSkipsPassedPartitions(t *testing.T) {
 	// Every group has passed all but the last 200 messages.
 	const at = size*parts - 200
 	groups := map[string]int32{}
-	for _, name := range []string{"lease", "lease, new only", "advisory", "advisory, new only"} {
+	for _, name := range []string{"lease", "lease, new only", "advisory", "advisory, new only", "ordered"} {
 		id, err := store.EnsureGroup(ctx, db, name, false)
 		if err != nil {
 			t.Fatal(err)
@@ -544,6 +544,10 @@ func TestClaimSkipsPassedPartitions(t *testing.T) {
 			c, err := store.ClaimLocked(ctx, q, groups["advisory, new only"], tok, batch, 0x4C000001+groups["advisory, new only"], nil, false, nil)
 			return len(c), err
 		},
+		"ordered": func(tok int64) (int, error) {
+			c, err := store.ClaimOrdered(ctx, connBeginner{conn}, groups["ordered"], tok, time.Minute, batch, 0, nil)
+			return len(c), err
+		},
 	}
 	stem := strings.TrimSuffix(tables.PartitionName(0), "0")
 	var below func(n planNode) []string
@@ -576,3 +580,23 @@ func TestClaimSkipsPassedPartitions(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// connBeginner begins transactions on one pgx connection (the session auto_explain reports
+// the plans of).
+type connBeginner struct{ c *pgx.Conn }
+
+func (b connBeginner) Begin(ctx context.Context) (dbx.Tx, error) {
+	tx, err := b.c.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return connTx{dbx.PgxTx(tx), tx}, nil
+}
+
+type connTx struct {
+	dbx.Querier
+	tx pgx.Tx
+}
+
+func (t connTx) Commit(ctx context.Context) error   { return t.tx.Commit(ctx) }
+func (t connTx) Rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }
