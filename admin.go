@@ -3,6 +3,7 @@ package sqlbroker
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/advisory"
@@ -16,7 +17,6 @@ const (
 	DefaultAdminMaxGroups        = 100
 	DefaultAdminCountCap         = 10000
 	DefaultAdminStatementTimeout = 5 * time.Second
-	pruneBatch                   = 10000
 )
 
 // ErrNoGroup says that a consumer group has no row in its topic's groups table: it never
@@ -454,10 +454,14 @@ func (a *Admin) DeleteGroup(ctx context.Context, topic, group string) (int64, er
 	return n, nil
 }
 
-// Prune runs one retention pass on topic, as a subscriber with Retention does: it deletes
-// the messages that every consumer group has passed and none still claims, written more
-// than olderThan ago, in statements of up to 10,000 rows, and returns how many it deleted.
-// A topic without any consumer group keeps every message.
+// Prune runs one retention pass on topic, as a subscriber with Retention does, and returns
+// how many messages it deleted. On PostgreSQL it adds partitions to the messages table ahead
+// of the publishers, and drops the partitions whose messages every consumer group has passed,
+// no claim holds, and were all written more than olderThan ago (detached without making
+// claims or publishes wait); it needs the tables' owner. A partition filled since the last
+// pass is known complete once the transactions running when the pass starts have ended: the
+// pass waits for them up to StatementTimeout. On SQLite it deletes such messages one by one,
+// in statements of up to 10,000 rows. A topic without any consumer group keeps every message.
 func (a *Admin) Prune(ctx context.Context, topic string, olderThan time.Duration) (int64, error) {
 	t, err := a.tables(topic)
 	if err != nil {
@@ -467,25 +471,60 @@ func (a *Admin) Prune(ctx context.Context, topic string, olderThan time.Duration
 		return 0, publicErr(fmt.Errorf("sqlbroker: %w", err))
 	}
 	store := offsets.NewStore(t, false)
-	var total int64
-	for {
-		var n int64
-		err := dbx.InTx(ctx, a.db, func(tx dbx.Tx) error {
-			if err := a.limits(ctx, tx, false); err != nil {
-				return err
-			}
-			var err error
-			n, err = store.Prune(ctx, tx, olderThan, pruneBatch)
-			return err
-		})
-		total += n
-		if err != nil {
-			return total, fmt.Errorf("sqlbroker: topic %q: retention: %w", topic, err)
-		}
-		if n < pruneBatch {
-			return total, nil
+	var res offsets.MaintainResult
+	err = a.onConn(ctx, func(c dbx.Conn) error {
+		var err error
+		res, err = store.Maintain(ctx, c, offsets.MaintainOptions{Drop: true, OlderThan: olderThan, Wait: a.config.StatementTimeout})
+		return err
+	})
+	if err != nil {
+		return res.Messages, fmt.Errorf("sqlbroker: topic %q: retention: %w", topic, err)
+	}
+	return res.Messages, nil
+}
+
+// onConn runs fn on a connection of the pool, outside a transaction, with its statements
+// bounded by StatementTimeout; the connection goes back to the pool with its setting as it
+// was, or is closed.
+func (a *Admin) onConn(ctx context.Context, fn func(dbx.Conn) error) error {
+	c, err := a.db.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	if !a.dialect.StatementTimeouts {
+		defer c.Release()
+		return fn(c)
+	}
+	var was string
+	if err := dbx.QueryRowWrite(ctx, c, `SELECT current_setting('statement_timeout'), set_config('statement_timeout', $1, false)`,
+		[]any{strconv.FormatInt(a.config.StatementTimeout.Milliseconds(), 10)}, &was, new(string)); err != nil {
+		c.Destroy()
+		return err
+	}
+	err = fn(c)
+	rctx, cancel := dbx.CleanupContext(ctx)
+	defer cancel()
+	if _, rerr := c.Exec(rctx, `SELECT set_config('statement_timeout', $1, false)`, was); rerr != nil {
+		c.Destroy()
+		return err
+	}
+	c.Release()
+	return err
+}
+
+// addPartitions reports whether err refused a row for want of a partition of a messages
+// table (PostgreSQL) and it then added partitions for n more rows to each of stores: the
+// statement may run again.
+func (a *Admin) addPartitions(ctx context.Context, err error, n int, stores map[string]*offsets.Store) bool {
+	if dbx.SQLState(err) != dbx.CodeCheckViolation {
+		return false
+	}
+	for _, s := range stores {
+		if s.AddPartitions(ctx, a.db, n) != nil {
+			return false
 		}
 	}
+	return true
 }
 
 // bounded is the Admin's pool, whose transactions start with the Admin's limits.

@@ -212,6 +212,7 @@ func TestAdmin_deleteGroupLetsRetentionDelete(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
+	smallPartitions(t, topic, 1, 5)
 	pub := newPublisher(t, pgxDB(t))
 	gone := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "gone"})
 	_, err := gone.Subscribe(ctx, topic) // creates the group at the oldest message

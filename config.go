@@ -335,10 +335,13 @@ type SubscriberConfig struct {
 
 	// Retention deletes messages that every consumer group of the topic has settled once
 	// they are older than this; each subscription prunes its topic every Retention/10 (at
-	// least every second, at most every minute). A consumer group that is no longer used
-	// still counts: delete its row of the groups table to stop it holding messages back.
-	// Defaults to 0: messages are kept, so that a new consumer group can read the topic
-	// from its oldest message.
+	// least every second, at most every minute). On PostgreSQL messages go a partition of
+	// the messages table at a time (at least 100,000 offsets): a partition is dropped once
+	// every group has passed every message in it, no claim holds any of them and all are
+	// older than Retention, which needs the tables' owner; the partition being filled stays.
+	// A consumer group that is no longer used still counts: delete its row of the groups
+	// table to stop it holding messages back. Defaults to 0: messages are kept, so that a new
+	// consumer group can read the topic from its oldest message.
 	Retention time.Duration
 
 	// SynchronousCommit makes claims, lease extensions, acks and nacks wait for their WAL

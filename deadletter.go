@@ -90,6 +90,14 @@ func (st *settler) deadLetter(fs []offsets.Fenced) (map[int64]bool, error) {
 	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtNack, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
 		var err error
 		done, err = sub.store.DeadLetter(ctx, q, sub.groupID, sub.cfg.ConsumerGroup, fs, dlq, [2]string{MetadataAttempt, MetadataOffset})
+		if err != nil && dlq.NoPartition(err) {
+			// The dead-letter topic's partitions ran out (see Publisher.write): add them and
+			// move the claims once more.
+			if err := dlq.AddPartitions(ctx, q, len(fs)); err != nil {
+				return err
+			}
+			done, err = sub.store.DeadLetter(ctx, q, sub.groupID, sub.cfg.ConsumerGroup, fs, dlq, [2]string{MetadataAttempt, MetadataOffset})
+		}
 		return err
 	})
 	if err != nil || len(done) == 0 {

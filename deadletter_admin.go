@@ -317,6 +317,9 @@ func (a *Admin) Redrive(ctx context.Context, topic string, opts RedriveOptions) 
 			err = a.read(ctx, run)
 		} else {
 			err = dbx.InTx(ctx, a.bounded(), func(tx dbx.Tx) error { return run(tx) })
+			if err != nil && a.addPartitions(ctx, err, n, dests) {
+				err = dbx.InTx(ctx, a.bounded(), func(tx dbx.Tx) error { return run(tx) })
+			}
 		}
 		if err != nil {
 			return res, fmt.Errorf("sqlbroker: topic %q: redrive: %w", topic, err)

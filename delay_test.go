@@ -271,12 +271,9 @@ func TestSchema_version1TablesUpgraded(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
-	tb := tables(topic)
-	pool := testdb.Pgx(t)
 	pub := newPublisher(t, pgxDB(t))
 	publish(t, pub, topic, "old")
-	_, err := pool.Exec(ctx, `ALTER TABLE `+tb.Messages+` DROP COLUMN "deliver_at"; COMMENT ON TABLE `+tb.Messages+` IS 'sqlbroker schema v1'`)
-	require.NoError(t, err)
+	plainMessages(t, topic, 1)
 
 	plain, err := sqlbroker.NewSubscriber(pgxDB(t), sqlbroker.SubscriberConfig{}, nil)
 	require.NoError(t, err)
@@ -461,6 +458,7 @@ func TestSchema_version2ClaimsMoved(t *testing.T) {
 	pool := testdb.Pgx(t)
 	pub := newPublisher(t, pgxDB(t))
 	publish(t, pub, topic, "a", "b", "c", "d")
+	plainMessages(t, topic, 2)
 	old := `"` + strings.Trim(tb.Claims, `"`) + `"`
 	_, err := pool.Exec(ctx, `DROP TABLE `+tb.Claims+`;
 CREATE TABLE `+old+` (
@@ -486,7 +484,7 @@ COMMENT ON TABLE `+tb.Messages+` IS 'sqlbroker schema v2'`)
 	_, err = plain.Subscribe(ctx, topic)
 	var verr *sqlbroker.SchemaVersionError
 	require.ErrorAs(t, err, &verr)
-	assert.Contains(t, err.Error(), "stop the consumers of the older library")
+	assert.Contains(t, err.Error(), "stop the consumers and publishers of the older library")
 
 	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: delayPoll})
 	msgs, err := sub.Subscribe(ctx, topic)

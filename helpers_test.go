@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
@@ -212,6 +213,15 @@ func noMessage(t *testing.T, ch <-chan *message.Message, d time.Duration) {
 }
 
 func tables(topic string) offsets.Tables { return offsets.NewTables("", "sqlbroker_", topic) }
+
+// smallPartitions creates the tables of topic, still without messages, with k partitions of
+// size offsets from the first, so that retention drops a partition for a few messages (one
+// message a partition with size 1).
+func smallPartitions(t *testing.T, topic string, size, k int) {
+	t.Helper()
+	require.NoError(t, tables(topic).Create(context.Background(), dbx.NewPgxPool(testdb.Pgx(t))))
+	testdb.SmallPartitions(t, tables(topic), size, k)
+}
 
 func queryInt(t *testing.T, sql string, args ...any) int {
 	t.Helper()

@@ -108,11 +108,17 @@ func (a *Admin) MigrateWatermillSQL(ctx context.Context, topic, group string, op
 	}
 	for {
 		var n int
-		err := dbx.InTx(ctx, a.bounded(), func(tx dbx.Tx) error {
+		batch := func(tx dbx.Tx) error {
 			var err error
 			n, err = a.migrateBatch(ctx, tx, src, opts.BatchSize)
 			return err
-		})
+		}
+		err := dbx.InTx(ctx, a.bounded(), batch)
+		if err != nil {
+			if t, terr := a.tables(topic); terr == nil && a.addPartitions(ctx, err, opts.BatchSize, map[string]*offsets.Store{topic: offsets.NewStore(t, false)}) {
+				err = dbx.InTx(ctx, a.bounded(), batch)
+			}
+		}
 		if err != nil {
 			return fail(err)
 		}

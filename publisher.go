@@ -220,6 +220,9 @@ func (p *Publisher) publishErr(topic string, store *offsets.Store, err error) er
 	if dbx.SQLState(err) == dbx.CodeQueryCanceled && (errors.Is(err, dbx.ErrLimit) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
 		return fmt.Errorf("sqlbroker: publish to %q: %w; nothing was written", topic, err)
 	}
+	if store != nil && p.db.tx != nil && store.NoPartition(err) {
+		return fmt.Errorf("sqlbroker: publish to %q: no partition of %s takes the new offsets: no maintenance has added one since they ran out (a subscriber of the topic does while it claims, so does a publish outside a transaction, and sqlbroker retention); the transaction is aborted, run it again once one has: %w", topic, store.T.Messages, err)
+	}
 	if store != nil && dbx.SQLState(err) == dbx.CodeUndefinedTable {
 		p.stores.forget(topic)
 		return fmt.Errorf("sqlbroker: publish to %q: %w", topic, &MissingTableError{Topic: topic, Table: store.T.Messages, Database: store.T.Dialect().Name})
@@ -236,7 +239,24 @@ func (p *Publisher) publishErr(topic string, store *offsets.Store, err error) er
 //   - Otherwise multi-row INSERTs of at most MaxStatementBytes each (a larger row alone), the
 //     last of which carries the NOTIFY; more rows than one statement holds run in one
 //     transaction (on a pool; the caller's otherwise).
+//
+// On PostgreSQL, a write that finds no partition of the messages table for a row (no
+// maintenance pass added one in time: no subscriber of the topic runs, or a burst outran
+// them) adds the partitions and writes once more; in the caller's transaction, which the
+// failed statement aborted, it fails (publishErr says what to do).
 func (p *Publisher) write(ctx context.Context, q dbx.Querier, store *offsets.Store, rows []offsets.Row) error {
+	err := p.writeOnce(ctx, q, store, rows)
+	if err == nil || p.db.tx != nil || !store.NoPartition(err) {
+		return err
+	}
+	if aerr := store.AddPartitions(ctx, q, len(rows)); aerr != nil {
+		return fmt.Errorf("%w; adding partitions for it: %w", err, aerr)
+	}
+	return p.writeOnce(ctx, q, store, rows)
+}
+
+// writeOnce is write without the partitions added on a refusal.
+func (p *Publisher) writeOnce(ctx context.Context, q dbx.Querier, store *offsets.Store, rows []offsets.Row) error {
 	table := store.T.Messages
 	channel := p.notifyChannel(table)
 	var err error

@@ -32,14 +32,16 @@ func SQLiteSchemaSQL(topic, tablePrefix string) (string, error) {
 	return t.SchemaSQL(), nil
 }
 
-// DropSQL returns the statement that drops the tables of topic on PostgreSQL, with the same
-// arguments as SchemaSQL. Every message and consumer-group position of the topic is lost.
+// DropSQL returns the statements that drop the tables of topic on PostgreSQL (the messages
+// table with its partitions and sequence) and the function that adds partitions to it, with
+// the same arguments as SchemaSQL. Every message and consumer-group position of the topic is
+// lost.
 func DropSQL(topic, schema, tablePrefix string) (string, error) {
 	t, err := schemaTables(dbx.Postgres, topic, schema, tablePrefix)
 	if err != nil {
 		return "", err
 	}
-	return "DROP TABLE IF EXISTS " + t.Messages + ", " + t.Groups + ", " + t.Claims, nil
+	return t.DropSQL(), nil
 }
 
 // SQLiteDropSQL is DropSQL for SQLite: one statement a table, as SQLite drops one table at a

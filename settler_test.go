@@ -39,6 +39,8 @@ func settlerRig(t *testing.T, mode ClaimMode) *subscription {
 		sub.claimer.unlisten()
 	})
 
+	// Two messages a partition: retention (the pruner's tests) drops them in pairs.
+	testdb.SmallPartitions(t, store.T, 2, 3)
 	pub, err := NewPublisher(db, PublisherConfig{}, watermill.NopLogger{})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = pub.Close() })

@@ -329,7 +329,7 @@ func (sub *subscription) stopReport() CloseReport {
 func validateTopic(topic string) error { return validateName("topic", topic) }
 
 // subscription is one Subscribe call, composed of its parts: the claimer (claim loop), the
-// hand-out loop, the settler, the pruner (Retention), and the claim mode, lease or advisory
+// hand-out loop, the settler, the pruner (partitions and Retention), and the claim mode, lease or advisory
 // lock, which holds the claims (the lease extender, or the lock connection). The work set
 // holds the deliveries between them.
 type subscription struct {
@@ -400,7 +400,7 @@ func newSubscription(s *Subscriber, ctx context.Context, store *offsets.Store, g
 }
 
 func (sub *subscription) start() {
-	if sub.cfg.Retention > 0 {
+	if prunes(sub.store.T.Dialect(), *sub.cfg) {
 		sub.loop(newPruner(sub).run)
 	}
 	sub.loop(sub.claimer.run)

@@ -440,11 +440,12 @@ func TestSubscriberConfig_invalidDurationsNamed(t *testing.T) {
 }
 
 // With Retention, messages every group has settled are deleted; those a group has not
-// reached, or still claims, are kept.
+// reached, or still claims, are kept. With partitions of one offset each, a message at a time.
 func TestSubscriber_retentionDeletesSettledMessages(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
+	smallPartitions(t, topic, 1, 4)
 	pub := newPublisher(t, pgxDB(t))
 	publish(t, pub, topic, "1", "2", "3", "4")
 	fast := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "fast", Retention: time.Millisecond})

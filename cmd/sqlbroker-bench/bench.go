@@ -200,6 +200,7 @@ var scenarios = []scenario{
 	{9, "many", false, scenarioMany},
 	{10, "group", false, scenarioGroup},
 	{11, "hold", false, scenarioHold},
+	{12, "retention", false, scenarioRetention},
 }
 
 // scenarioBy finds a scenario by its number or its name.

@@ -58,10 +58,10 @@ type holdSample struct {
 }
 
 // entriesPerScan is the index entries read per index scan of table k between two samples,
-// or -1 when no scan ran.
+// or -1 when no scan ran (or a partition dropped in between took its counts with it).
 func entriesPerScan(from, to holdSample, k int) float64 {
 	scans := to.stats[k].scans - from.stats[k].scans
-	if scans <= 0 {
+	if scans <= 0 || to.stats[k].read < from.stats[k].read {
 		return -1
 	}
 	return float64(to.stats[k].read-from.stats[k].read) / float64(scans)
@@ -89,11 +89,13 @@ func (s holdSample) lag() (int64, int) {
 // holdStats reads the index and dead-row counts of the topic's tables.
 func (b *bench) holdStats(ctx context.Context, t offsets.Tables) ([holdTables]tableStat, error) {
 	var out [holdTables]tableStat
-	rows, err := b.admin.Query(ctx, `SELECT r.k, coalesce(s.n_dead_tup, 0),
-		coalesce((SELECT sum(i.idx_tup_read) FROM pg_stat_user_indexes i WHERE i.relid = r.id), 0)::bigint,
-		coalesce((SELECT sum(i.idx_scan) FROM pg_stat_user_indexes i WHERE i.relid = r.id), 0)::bigint
-		FROM (VALUES (0, to_regclass($1)::oid), (1, to_regclass($2)::oid), (2, to_regclass($3)::oid)) AS r(k, id)
-		LEFT JOIN pg_stat_user_tables s ON s.relid = r.id`, t.Claims, t.Messages, t.Groups)
+	// The messages table's figures are its partitions', summed: a partitioned table has no
+	// storage of its own.
+	rows, err := b.admin.Query(ctx, `SELECT r.k,
+		coalesce((SELECT sum(s.n_dead_tup) FROM `+fmt.Sprintf(treeSQL, "r.id")+` JOIN pg_stat_user_tables s ON s.relid = p.relid), 0)::bigint,
+		coalesce((SELECT sum(i.idx_tup_read) FROM `+fmt.Sprintf(treeSQL, "r.id")+` JOIN pg_stat_user_indexes i ON i.relid = p.relid), 0)::bigint,
+		coalesce((SELECT sum(i.idx_scan) FROM `+fmt.Sprintf(treeSQL, "r.id")+` JOIN pg_stat_user_indexes i ON i.relid = p.relid), 0)::bigint
+		FROM (VALUES (0, to_regclass($1)), (1, to_regclass($2)), (2, to_regclass($3))) AS r(k, id)`, t.Claims, t.Messages, t.Groups)
 	if err != nil {
 		return out, fmt.Errorf("read pg_stat_user_indexes: %w", err)
 	}
@@ -109,15 +111,24 @@ func (b *bench) holdStats(ctx context.Context, t offsets.Tables) ([holdTables]ta
 	return out, rows.Err()
 }
 
-// holdSizes is pg_total_relation_size (table, indexes and TOAST) of each of the topic's tables.
+// holdSizes is pg_total_relation_size (table, indexes and TOAST) of each of the topic's
+// tables, the messages table's summed over its partitions.
 func (b *bench) holdSizes(ctx context.Context, t offsets.Tables) ([holdTables]int64, error) {
 	var out [holdTables]int64
-	err := b.admin.QueryRow(ctx, `SELECT pg_total_relation_size(to_regclass($1)), pg_total_relation_size(to_regclass($2)),
-		pg_total_relation_size(to_regclass($3))`, t.Claims, t.Messages, t.Groups).Scan(&out[0], &out[1], &out[2])
+	err := b.admin.QueryRow(ctx, `SELECT `+totalSizeSQL(1)+`, `+totalSizeSQL(2)+`, `+totalSizeSQL(3),
+		t.Claims, t.Messages, t.Groups).Scan(&out[0], &out[1], &out[2])
 	if err != nil {
 		return out, fmt.Errorf("read pg_total_relation_size: %w", err)
 	}
 	return out, nil
+}
+
+// treeSQL lists as p(relid) the table %s (a regclass) and its partitions, if any.
+const treeSQL = `(SELECT %[1]s::oid UNION SELECT t.relid::oid FROM pg_partition_tree(%[1]s) t) p(relid)`
+
+// totalSizeSQL is the size of the table named by parameter $n with its partitions, if any.
+func totalSizeSQL(n int) string {
+	return fmt.Sprintf(`(SELECT coalesce(sum(pg_total_relation_size(p.relid)), 0)::bigint FROM `+treeSQL+`)`, fmt.Sprintf("to_regclass($%d)", n))
 }
 
 func formatSizes(s [holdTables]int64) string {

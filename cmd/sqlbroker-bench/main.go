@@ -41,8 +41,10 @@
 //  11. hold:     messages offered at a steady rate to consumer groups of two subscribers with
 //     Retention set, while a REPEATABLE READ transaction holds vacuum back: rates, lag and
 //     index entries read per scan, second by second, and a summary of the hold
+//  12. retention: -retention-n messages through one subscriber with Retention 1 s: the
+//     sizes of the messages and claims tables second by second, at the peak and at the end
 //
-// Scenarios 1-7 run by default; 8-11 when named. Scenarios 8 and 9 count each contender's
+// Scenarios 1-7 run by default; 8-12 when named. Scenarios 8 and 9 count each contender's
 // transactions at the protocol, through a local proxy that sees every ReadyForQuery its
 // connections receive (-idle-proxy); they also print, second by second, the transaction count
 // of the whole database (pg_stat_database), which backends report up to 10 s late. With
@@ -109,6 +111,11 @@ type config struct {
 	holdFor         time.Duration // 11
 	holdGroups      int           // 11
 	holdRetention   time.Duration // 11
+	retentionN      int           // 12
+	retentionRate   int           // 12
+	retention       time.Duration // 12
+	retentionSettle time.Duration // 12
+	retentionVacuum time.Duration // 12
 }
 
 func main() {
@@ -171,6 +178,11 @@ func parseFlags() (*config, error) {
 	holdFor := flag.Duration("hold-for", 120*time.Second, "scenario 11: how long the reader keeps it open")
 	flag.IntVar(&c.holdGroups, "hold-groups", 1, "scenario 11: consumer groups, each of two subscribers")
 	flag.DurationVar(&c.holdRetention, "hold-retention", 10*time.Second, "scenario 11: the subscribers' Retention (0: none)")
+	retentionN := flag.Int("retention-n", 1_000_000, "scenario 12: messages published")
+	flag.IntVar(&c.retentionRate, "retention-rate", 10_000, "scenario 12: messages per second offered")
+	flag.DurationVar(&c.retention, "retention", time.Second, "scenario 12: the subscriber's Retention")
+	flag.DurationVar(&c.retentionSettle, "retention-settle", 15*time.Second, "scenario 12: how long to watch the sizes after the last message is handled")
+	flag.DurationVar(&c.retentionVacuum, "retention-vacuum", 0, "scenario 12: VACUUM the claims and groups tables this often, for a server whose autovacuum is off (0: leave it to autovacuum)")
 	flag.Parse()
 
 	set := map[string]bool{}
@@ -202,6 +214,7 @@ func parseFlags() (*config, error) {
 	c.holdDuration = pickDur("hold-duration", holdDuration, 30*time.Second)
 	c.holdAt = pickDur("hold-at", holdAt, 5*time.Second)
 	c.holdFor = pickDur("hold-for", holdFor, 15*time.Second)
+	c.retentionN = pickInt("retention-n", retentionN, 100_000)
 
 	c.scenarios = map[int]bool{}
 	for _, s := range strings.Split(*scen, ",") {

@@ -38,6 +38,7 @@ const sqliteError = 1
 const (
 	CodeUndefinedTable = "42P01"
 	CodeQueryCanceled  = "57014"
+	CodeCheckViolation = "23514" // also: no partition of a partitioned table takes the row
 )
 
 // StatementFailed reports whether err is the server's error for one statement (severity

@@ -40,13 +40,22 @@ type database interface {
 	settle(ctx context.Context, q dbx.Querier, op settleOp, groupID int32, fs []Fenced, d time.Duration) (map[int64]bool, error)
 	deadLetter(ctx context.Context, q dbx.Querier, groupID int32, group string, fs []Fenced, to Tables, dropKeys [2]string) (map[int64]bool, error)
 
-	// Writing and pruning messages. insertSQL writes n rows of 3 parameters (4 when delayed:
-	// the fourth is deliverAt's value of the row's time, or nil), and with channel, where the
-	// database has NOTIFY, notifies it in the same statement.
+	// Writing messages. insertSQL writes n rows of 3 parameters (4 when delayed: the fourth
+	// is deliverAt's value of the row's time, or nil), and with channel, where the database
+	// has NOTIFY, notifies it in the same statement.
 	insertSQL(n int, channel string, delayed bool) string
 	deliverAt(at time.Time) any
 	notify(ctx context.Context, q dbx.Querier, channel, payload string) error
-	prune(ctx context.Context, q dbx.Querier, olderThan time.Duration, limit int) (int64, error)
+
+	// Partitions of the messages table and retention. addPartitions adds partitions for the next n
+	// rows and noPartition says whether err refused a row for want of one (a database without
+	// partitions does nothing and says no). maintain runs one pass of retention on the
+	// connection c: on PostgreSQL it adds partitions, moves the groups' floors and drops the
+	// partitions every group has passed (see postgres_partitions.go); on SQLite it deletes the
+	// settled messages, a batch at a time.
+	addPartitions(ctx context.Context, q dbx.Querier, n int) error
+	noPartition(err error) bool
+	maintain(ctx context.Context, st *partState, c dbx.Querier, opts MaintainOptions) (MaintainResult, error)
 
 	// Messages as stored, for the Admin: the SELECT of ReadMessages (take false) or
 	// TakeMessages (take true), and the deletion of messages with their claims.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -302,12 +303,18 @@ func TestSettlePlansStayFlat(t *testing.T) {
 func TestClaimsKeepGenericPlans(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	tables, pool, _ := createTables(t, ctx)
+	tables, pool, db := createTables(t, ctx)
 	store := offsets.NewStore(tables, true)
 	const backlog, batch, runs = 1_000_000, 20, 8
-	if _, err := pool.Exec(ctx, fmt.Sprintf(`INSERT INTO %s ("uuid", "payload")
-		SELECT i::text, '\x00' FROM generate_series(1, %d) i`, tables.Messages, backlog)); err != nil {
-		t.Fatal(err)
+	// In steps, so that the table has the partitions a steady publisher would have made.
+	for range 10 {
+		if err := store.AddPartitions(ctx, db, backlog/10); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pool.Exec(ctx, fmt.Sprintf(`INSERT INTO %s ("uuid", "payload")
+			SELECT i::text, '\x00' FROM generate_series(1, %d) i`, tables.Messages, backlog/10)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if _, err := pool.Exec(ctx, "ANALYZE "+tables.Messages); err != nil {
 		t.Fatal(err)
@@ -465,3 +472,131 @@ func TestClaimLockedSkipsHeldLocks(t *testing.T) {
 		})
 	}
 }
+
+// TestClaimSkipsPassedPartitions checks that a claim reads only the partitions its group may
+// still need: with 20 partitions of messages and the groups near the end, after a
+// maintenance pass has moved their floors, no node of any claim statement's plan (generic or
+// custom; both claim modes, with and without the due step, and ordered by key) that reads a
+// partition below the floor runs, so none of those partitions' index or heap pages are read.
+func TestClaimSkipsPassedPartitions(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	tables, pool, db := createTables(t, ctx)
+	const size, parts, batch = 1000, 20, 10
+	testdb.SmallPartitions(t, tables, size, parts)
+	store := offsets.NewStore(tables, true)
+	rows := make([]offsets.Row, size*parts)
+	for i := range rows {
+		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: make([]byte, 64), Metadata: "{}"}
+	}
+	if err := store.Insert(ctx, db, rows, ""); err != nil {
+		t.Fatal(err)
+	}
+	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	if _, err := pool.Exec(ctx, "ANALYZE "+tables.Messages); err != nil {
+		t.Fatal(err)
+	}
+	// Every group has passed all but the last 200 messages.
+	const at = size*parts - 200
+	groups := map[string]int32{}
+	for _, name := range []string{"lease", "lease, new only", "advisory", "advisory, new only", "ordered"} {
+		id, err := store.EnsureGroup(ctx, db, name, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		groups[name] = id
+	}
+	if _, err := pool.Exec(ctx, fmt.Sprintf(`UPDATE %s SET ("last_xid", "last_offset") = (SELECT "xid", "offset" FROM %s WHERE "offset" = %d)`,
+		tables.Groups, tables.Messages, at)); err != nil {
+		t.Fatal(err)
+	}
+	mc, err := db.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 { // the second pass knows the partitions complete
+		if _, err := store.Maintain(ctx, mc, offsets.MaintainOptions{Wait: 10 * time.Second}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mc.Release()
+	floor := int64(at/size*size + 1)
+	if got := testdb.Int(t, `SELECT min("floor_offset") FROM `+tables.Groups); got != floor {
+		t.Fatalf("floor %d after the passes, want %d", got, floor)
+	}
+
+	conn, plans := explainedConn(t, ctx)
+	q := dbx.PgxConn(conn)
+	claims := map[string]func(int64) (int, error){
+		"lease": func(tok int64) (int, error) {
+			c, err := store.Claim(ctx, q, groups["lease"], tok, time.Minute, batch, true, nil)
+			return len(c), err
+		},
+		"lease, new only": func(tok int64) (int, error) {
+			c, err := store.Claim(ctx, q, groups["lease, new only"], tok, time.Minute, batch, false, nil)
+			return len(c), err
+		},
+		"advisory": func(tok int64) (int, error) {
+			c, err := store.ClaimLocked(ctx, q, groups["advisory"], tok, batch, 0x4C000001+groups["advisory"], nil, true, nil)
+			return len(c), err
+		},
+		"advisory, new only": func(tok int64) (int, error) {
+			c, err := store.ClaimLocked(ctx, q, groups["advisory, new only"], tok, batch, 0x4C000001+groups["advisory, new only"], nil, false, nil)
+			return len(c), err
+		},
+		"ordered": func(tok int64) (int, error) {
+			c, err := store.ClaimOrdered(ctx, connBeginner{conn}, groups["ordered"], tok, time.Minute, batch, 0, nil)
+			return len(c), err
+		},
+	}
+	stem := strings.TrimSuffix(tables.PartitionName(0), "0")
+	var below func(n planNode) []string
+	below = func(n planNode) []string {
+		var out []string
+		if lo, err := strconv.ParseInt(strings.TrimPrefix(n.Relation, stem), 10, 64); err == nil && strings.HasPrefix(n.Relation, stem) &&
+			lo+size <= floor && n.ActualLoops > 0 {
+			out = append(out, n.Relation)
+		}
+		for _, c := range n.Plans {
+			out = append(out, below(c)...)
+		}
+		return out
+	}
+	for name, claim := range claims {
+		for round := range 8 { // past the fifth run: the generic plan too
+			plans()
+			n, err := claim(1<<61 + int64(round))
+			if err != nil || n != batch {
+				t.Fatalf("%s claim, round %d: claimed %d, %v", name, round, n, err)
+			}
+			for _, p := range parsePlans(t, fmt.Sprintf("%s claim, round %d", name, round), plans()) {
+				if read := below(p.root); len(read) > 0 {
+					t.Errorf("%s claim, round %d: read partitions below the floor %d: %v\n%s", name, round, floor, read, p.text)
+				}
+			}
+		}
+	}
+	if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock_all()"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// connBeginner begins transactions on one pgx connection (the session auto_explain reports
+// the plans of).
+type connBeginner struct{ c *pgx.Conn }
+
+func (b connBeginner) Begin(ctx context.Context) (dbx.Tx, error) {
+	tx, err := b.c.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return connTx{dbx.PgxTx(tx), tx}, nil
+}
+
+type connTx struct {
+	dbx.Querier
+	tx pgx.Tx
+}
+
+func (t connTx) Commit(ctx context.Context) error   { return t.tx.Commit(ctx) }
+func (t connTx) Rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }

@@ -43,7 +43,6 @@ type pgTopic struct {
 	ensureGrpSQL        string
 	lookupGrpSQL        string
 	horizonSQL          string
-	pruneSQL            string
 
 	with, cond string // the asynchronous-commit prefix and condition of the statements
 }
@@ -100,25 +99,10 @@ ON CONFLICT ("consumer_group") DO NOTHING
 RETURNING "group_id"`, t.Groups)
 	s.lookupGrpSQL = fmt.Sprintf(`SELECT "group_id" FROM %s WHERE "consumer_group" = $1`, t.Groups)
 
-	// Messages every group has passed and none still claims, older than $1 ms, at most $2.
-	// The claimed offsets are read once, from the claims table's few rows, into a hashed set.
-	s.pruneSQL = fmt.Sprintf(`WITH low AS (
-	SELECT "last_xid", "last_offset" FROM %[1]s ORDER BY "last_xid", "last_offset" LIMIT 1
-)
-DELETE FROM %[2]s m
-WHERE m."offset" IN (
-	SELECT d."offset" FROM %[2]s d
-	WHERE (d."xid", d."offset") <= ((SELECT "last_xid" FROM low), (SELECT "last_offset" FROM low))
-	  AND d."created_at" < now() - $1::float8 * interval '1 millisecond'
-	  AND d."offset" NOT IN (SELECT x.o FROM %[3]s c, unnest(c."offsets") x(o))
-	ORDER BY d."xid", d."offset"
-	LIMIT $2
-)`, t.Groups, t.Messages, t.Claims)
-
 	// Messages past the group's position that the xmin horizon still holds back (M2).
 	s.horizonSQL = fmt.Sprintf(`SELECT count(*) FROM (
 	SELECT 1 FROM %[2]s m, %[1]s g
-	WHERE g."group_id" = $1 AND (m."xid", m."offset") > (g."last_xid", g."last_offset")
+	WHERE g."group_id" = $1 AND (m."xid", m."offset") > (g."last_xid", g."last_offset") AND m."offset" >= g."floor_offset"
 	  AND m."xid" >= pg_snapshot_xmin(pg_current_snapshot())
 	LIMIT 1000
 ) x`, t.Groups, t.Messages)
@@ -133,12 +117,14 @@ WHERE m."offset" IN (
 // that room, so that a run of delayed messages does not take the claim's room from the
 // messages behind it; with pass 0 the delayed ones count against the room. The position is
 // read through scalar subqueries so that it reaches the index scan of (xid, offset) as a
-// bound. mat is "" or "MATERIALIZED ".
+// bound, and the group's floor (see postgres_partitions.go) as the lowest offset, which
+// leaves out, without opening them, the partitions below it. mat is "" or "MATERIALIZED ".
 func newMessagesSQL(mat, pass string) string {
 	return `m0 AS (
 	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", ` + delayedSQL + ` AS "later"
 	FROM %[2]s m
 	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
+	  AND m."offset" >= (SELECT "floor_offset" FROM g)
 	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
 	ORDER BY m."xid", m."offset"
 	LIMIT $4 - (SELECT count(*) FROM due) + ` + pass + `
@@ -157,9 +143,18 @@ func newMessagesSQL(mat, pass string) string {
 // scan, which reads the index entries of the group's whole backlog on every claim, a cost that
 // grows with the backlog.
 const nextWaitingSQL = `SELECT nx."offset" FROM %[2]s nx
-		WHERE (nx."xid", nx."offset") > (gr."last_xid", gr."last_offset")
+		WHERE (nx."xid", nx."offset") > (gr."last_xid", gr."last_offset") AND nx."offset" >= gr."floor_offset"
 		  AND nx."xid" < pg_snapshot_xmin(pg_current_snapshot())
 		ORDER BY nx."xid", nx."offset" LIMIT 1`
+
+// byOffsetSQL reads, as alias, the message of offset at (an expression of the row outside)
+// from the messages table (%[2]s): one probe of the primary key of the one partition that
+// holds it. A plain join lets the planner, which cannot count the partitions the executor
+// leaves out, price a probe as one per partition and scan every partition instead; the
+// subquery under LIMIT is never turned into a join.
+func byOffsetSQL(alias, at string) string {
+	return `LATERAL (SELECT b."offset", b."xid", b."uuid", b."payload", b."metadata", b."deliver_at" FROM %[2]s b WHERE b."offset" = ` + at + ` LIMIT 1) ` + alias
+}
 
 // claimTailSQL ends both claim statements: it advances the group's position past the new
 // messages of m, and returns the due claims taken again (r) first, then the new messages read
@@ -174,7 +169,7 @@ func claimTailSQL(newFrom string) string {
 )
 SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts", x.k, x.at FROM (
 	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS k, r."offset" AS o, 0::float8 AS at
-	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
+	FROM r, ` + byOffsetSQL("msg", `r."offset"`) + `
 	UNION ALL
 	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, row_number() OVER (ORDER BY m."xid", m."offset"), 0::float8
 	FROM ` + newFrom + `
@@ -436,51 +431,36 @@ func (postgres) notify(ctx context.Context, q dbx.Querier, channel, payload stri
 	return err
 }
 
-func (s postgres) prune(ctx context.Context, q dbx.Querier, olderThan time.Duration, limit int) (int64, error) {
-	return q.Exec(ctx, s.pruneSQL, ms(olderThan), limit)
-}
-
 func (postgres) backendAlive(ctx context.Context, q dbx.Querier, pid uint32) (bool, error) {
 	var alive bool
 	err := dbx.QueryRow(ctx, q, "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", []any{int64(pid)}, &alive)
 	return alive, err
 }
 
-// schemaSQL: tables of schema versions 1 and 2 are upgraded in place (see upgradableVersions).
+// schemaSQL: tables of schema versions 1 to 3 are upgraded in place (see upgradableVersions).
 func (postgres) schemaSQL(t Tables) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
-	"offset"     bigint      GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME %s),
-	"xid"        xid8        NOT NULL DEFAULT pg_current_xact_id(),
-	"uuid"       text        NOT NULL,
-	"payload"    bytea       NOT NULL,
-	"metadata"   jsonb       NOT NULL DEFAULT '{}',
-	"created_at" timestamptz NOT NULL DEFAULT now(),
-	"deliver_at" timestamptz,
-	CONSTRAINT %s PRIMARY KEY ("offset")
-);
-`, t.Messages, t.seq("_m_seq"), t.obj("_m_pkey"))
-	// Tables of schema version 1 lack deliver_at. The catalog is read first: ALTER TABLE takes
-	// the table's ACCESS EXCLUSIVE lock even when the column exists, and this DDL also runs on
-	// tables that are up to date (a migration tool running it again).
-	body := fmt.Sprintf(` BEGIN
-	IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = %[1]s::regclass AND attname = 'deliver_at' AND NOT attisdropped) THEN
-		ALTER TABLE %[2]s ADD COLUMN IF NOT EXISTS "deliver_at" timestamptz;
-	END IF;
-END `, quoteLiteral(t.Messages), t.Messages)
-	tag := dollarTag(body)
-	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
-	fmt.Fprintf(&b, "CREATE INDEX IF NOT EXISTS %s ON %s (\"xid\", \"offset\");\n", t.obj("_m_xid"), t.Messages)
+	messagesSchemaSQL(&b, t)
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
 	"group_id"       integer     GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME %s),
 	"consumer_group" text        NOT NULL,
 	"last_xid"       xid8        NOT NULL,
 	"last_offset"    bigint      NOT NULL,
 	"updated_at"     timestamptz NOT NULL DEFAULT now(),
+	"floor_offset"   bigint      NOT NULL DEFAULT 0,
 	CONSTRAINT %s PRIMARY KEY ("group_id"),
 	CONSTRAINT %s UNIQUE ("consumer_group")
 );
 `, t.Groups, t.seq("_g_seq"), t.obj("_g_pkey"), t.obj("_g_name"))
+	// Groups tables of versions 1 to 3 lack floor_offset: the catalog is read first, as for
+	// deliver_at (a constant default changes only the catalog).
+	body := fmt.Sprintf(` BEGIN
+	IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = %[1]s::regclass AND attname = 'floor_offset' AND NOT attisdropped) THEN
+		ALTER TABLE %[2]s ADD COLUMN IF NOT EXISTS "floor_offset" bigint NOT NULL DEFAULT 0;
+	END IF;
+END `, quoteLiteral(t.Groups), t.Groups)
+	tag := dollarTag(body)
+	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
 	// The groups table names the topic, for tools that list topics from the catalog: a
 	// shortened table name no longer spells it out.
 	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS %s;\n", t.Groups, quoteLiteral(topicCommentPrefix+t.Topic))
@@ -520,6 +500,8 @@ END `, quoteLiteral(t.Claims), t.Claims, ident.Quote(old), ident.Qualified(t.Sch
 END `, quoteLiteral(ident.Qualified(t.Schema, old)), t.Claims, ident.Qualified(t.Schema, old), unheldTokenSQL)
 	tag = dollarTag(body)
 	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
+	// The partitions of the next offsets.
+	fmt.Fprintf(&b, "SELECT %s(0, %d);\n", t.extendFn(), PartitionSize)
 	// The version is written last: a table that carries it has every part of it.
 	fmt.Fprintf(&b, "COMMENT ON TABLE %s IS '%s%d';\n", t.Messages, schemaCommentPrefix, SchemaVersion)
 	return b.String()

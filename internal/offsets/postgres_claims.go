@@ -88,7 +88,7 @@ func claimSQL(t Tables, with, cond string, due, locked bool) string {
 		b = append(b, `due AS (SELECT NULL::bigint AS "offset", NULL::bigint AS "token", NULL::integer AS "attempts" WHERE false)`...)
 	}
 	b = fmt.Appendf(b, `, g AS (
-	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
+	SELECT gr."last_xid", gr."last_offset", gr."floor_offset" FROM %[1]s gr
 	WHERE gr."group_id" = $1 AND (SELECT count(*) FROM due) < $4%[3]s
 	  AND (`+nextWaitingSQL+`) IS NOT NULL
 	FOR UPDATE
@@ -232,7 +232,7 @@ func settleSQL(t Tables, with, cond string, op settleOp, to string) string {
 	SELECT m."uuid", m."payload", (m."metadata" - $6::text - $7::text) || jsonb_build_object(
 		'`+MetaDeadLetterTopic+`', $4::text, '`+MetaDeadLetterGroup+`', $5::text,
 		'`+MetaDeadLetterAttempts+`', done."attempts"::text, '`+MetaDeadLetterOffset+`', m."offset"::text)
-	FROM done JOIN %[2]s m ON m."offset" = done.o
+	FROM done, `+byOffsetSQL("m", "done.o")+`
 	ORDER BY m."offset"
 )`, to, t.Messages)
 	}
@@ -263,7 +263,7 @@ LIMIT $4`
 // runs after the locks were taken, so its snapshot sees every settlement that committed before
 // the previous holder let go: a claim that was acked meanwhile is in no row, one that was
 // nacked or released is in a row that is no longer 'infinity', and neither is returned (A4).
-const adoptSQL = `WITH k AS (
+var adoptSQL = `WITH k AS (
 	SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM %[1]s c
 	WHERE c."group_id" = $1 AND c."visible_at" = 'infinity' AND c."token" > 0 AND c."offsets" && $3::bigint[]
 	FOR UPDATE
@@ -288,7 +288,7 @@ const adoptSQL = `WITH k AS (
 	` + mergeOffsetsSQL + `
 )
 SELECT m."offset", m."uuid", m."payload", m."metadata"::text, done."attempts", 0, 0::float8
-FROM done JOIN %[2]s m ON m."offset" = done.o
+FROM done, ` + byOffsetSQL("m", "done.o") + `
 ORDER BY m."offset"`
 
 // MetaOrderKey is the metadata key that holds a message's order key.
@@ -328,7 +328,7 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 	SELECT c."token", c."attempts", c."offsets", c."order_key" FROM %[3]s c WHERE c."group_id" = $1
 ), busy AS MATERIALIZED (
 	SELECT DISTINCT `+orderKeySQL+` AS k
-	FROM cl, unnest(cl."offsets") x(o) JOIN %[2]s m ON m."offset" = x.o
+	FROM cl, unnest(cl."offsets") x(o), `+byOffsetSQL("m", "x.o")+`
 	WHERE cl."order_key" IS NULL AND m."metadata" ? '`+MetaOrderKey+`'
 ), d0 AS (
 	SELECT c."token", c."attempts", c."offsets" FROM %[3]s c
@@ -343,7 +343,7 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 ), h0 AS (
 	SELECT DISTINCT ON (cl."order_key") cl."token", cl."offsets"[1] AS o, cl."order_key" AS k, m."xid",
 		CASE WHEN m."deliver_at" > now() THEN m."deliver_at" END AS later
-	FROM cl JOIN %[2]s m ON m."offset" = cl."offsets"[1]
+	FROM cl, `+byOffsetSQL("m", `cl."offsets"[1]`)+`
 	WHERE cl."order_key" IS NOT NULL AND cl."order_key" NOT IN (SELECT k FROM busy)
 	ORDER BY cl."order_key", m."xid", m."offset"
 ), h AS (
@@ -353,7 +353,7 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 ), room AS (
 	SELECT $4 - (SELECT count(*) FROM due) - (SELECT count(*) FROM h WHERE h.later IS NULL) AS n
 ), g AS (
-	SELECT gr."last_xid", gr."last_offset" FROM %[1]s gr
+	SELECT gr."last_xid", gr."last_offset", gr."floor_offset" FROM %[1]s gr
 	WHERE gr."group_id" = $1 AND (SELECT n FROM room) > 0
 	  AND (SELECT count(*) FROM cl WHERE cl."order_key" IS NOT NULL) < $6
 	FOR UPDATE
@@ -361,6 +361,7 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", `+delayedSQL+` AS "later", `+orderKeySQL+` AS k
 	FROM %[2]s m
 	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
+	  AND m."offset" >= (SELECT "floor_offset" FROM g)
 	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
 	ORDER BY m."xid", m."offset"
 	LIMIT (SELECT n FROM room) + $5
@@ -411,10 +412,10 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 )
 SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts", x.kind, x.at FROM (
 	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS kind, 0::bigint AS o1, r."offset" AS o2, 0::float8 AS at
-	FROM r JOIN %[2]s msg ON msg."offset" = r."offset"
+	FROM r, `+byOffsetSQL("msg", `r."offset"`)+`
 	UNION ALL
 	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", 1, 1, 0, h.o, 0::float8
-	FROM h JOIN %[2]s msg ON msg."offset" = h.o WHERE h.later IS NULL
+	FROM h, `+byOffsetSQL("msg", "h.o")+` WHERE h.later IS NULL
 	UNION ALL
 	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, 1, row_number() OVER (ORDER BY m."xid", m."offset"), 0::float8
 	FROM m WHERE m.cls = 'c'

@@ -8,7 +8,7 @@ package offsets
 // match any character.
 const findSQL = `SELECT n.nspname, c.relname, coalesce(obj_description(c.oid, 'pg_class'), '')
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE c.relkind IN ('r', 'p') AND left(c.relname, length($2)) = $2
+WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition AND left(c.relname, length($2)) = $2
   AND (n.nspname = $1 OR $1 = '' AND pg_catalog.pg_table_is_visible(c.oid))
   AND c.relname ~ '_(messages|groups|claims)$'
 ORDER BY n.nspname, c.relname
@@ -19,17 +19,17 @@ LIMIT $3`
 // claims at $1 rows of the group's key range, each a claim statement's unsettled offsets).
 const inspectSQL = `SELECT g."consumer_group", g."last_offset",
 	(SELECT count(*) FROM (SELECT 1 FROM %[1]s m
-		WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset") LIMIT $1) x),
+		WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset") AND m."offset" >= g."floor_offset" LIMIT $1) x),
 	coalesce((SELECT max(m."offset") FROM %[1]s m), 0),
 	cl.in_work, cl.waiting, cl.due, cl.parked,
 	(SELECT count(*) FROM (SELECT 1 FROM %[1]s m
-		WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
+		WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset") AND m."offset" >= g."floor_offset"
 		  AND m."xid" >= pg_snapshot_xmin(pg_current_snapshot()) LIMIT $1) x),
 	coalesce(extract(epoch FROM now() - least(
 		(SELECT m."created_at" FROM %[1]s m WHERE m."offset" = (SELECT min(x.o) FROM %[2]s c, unnest(c."offsets") x(o)
 			WHERE c."group_id" = g."group_id")),
 		(SELECT m."created_at" FROM %[1]s m
-			WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset")
+			WHERE (m."xid", m."offset") > (g."last_xid", g."last_offset") AND m."offset" >= g."floor_offset"
 			ORDER BY m."xid", m."offset" LIMIT 1)))::float8, 0),
 	extract(epoch FROM now() - g."updated_at")::float8
 FROM %[3]s g,
@@ -60,7 +60,7 @@ const (
 	resetFindTimeSQL   = `SELECT m."xid"::text, m."offset" FROM %s m WHERE m."created_at" >= $1 ORDER BY m."offset" LIMIT 1`
 	lastSQL            = `SELECT m."xid"::text, m."offset", (SELECT max(x."offset") FROM %[1]s x) FROM %[1]s m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1`
 	lockGroupSQL       = `SELECT "group_id" FROM %s WHERE "consumer_group" = $1 FOR UPDATE`
-	setGroupSQL        = `UPDATE %s SET "last_xid" = $2::text::xid8, "last_offset" = $3, "updated_at" = now() WHERE "group_id" = $1`
+	setGroupSQL        = `UPDATE %s SET "last_xid" = $2::text::xid8, "last_offset" = $3, "floor_offset" = 0, "updated_at" = now() WHERE "group_id" = $1`
 	dropClaimsSQL      = `DELETE FROM %s WHERE "group_id" = $1`
 	dropGroupSQL       = `DELETE FROM %s WHERE "group_id" = $1`
 )

@@ -37,7 +37,7 @@ func (e *VersionError) Error() string {
 		return fmt.Sprintf("topic %q: table %s carries schema version v%d without its deliver_at column (delayed messages), which this library needs: set InitializeSchema: true, which adds the column in place", e.Topic, e.Table, e.Want)
 	}
 	if upgradable(e.Found) {
-		return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: stop the consumers of the older library, then set InitializeSchema: true, or run the SQL of sqlbroker.SchemaSQL(%q, ...) in a migration (it upgrades v1 and v2 tables in place)", e.Topic, e.Table, e.Found, e.Want, e.Topic)
+		return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: stop the consumers and publishers of the older library, then set InitializeSchema: true, or run the SQL of sqlbroker.SchemaSQL(%q, ...) in a migration (it upgrades v1 to v3 tables in place)", e.Topic, e.Table, e.Found, e.Want, e.Topic)
 	}
 	return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: migrate the tables or use the matching library version", e.Topic, e.Table, e.Found, e.Want)
 }

@@ -460,8 +460,29 @@ func (sqlite) deliverAt(at time.Time) any { return unixMilliCeil(at) }
 // notify: SQLite has no NOTIFY.
 func (sqlite) notify(context.Context, dbx.Querier, string, string) error { return nil }
 
-func (s sqlite) prune(ctx context.Context, q dbx.Querier, olderThan time.Duration, limit int) (int64, error) {
-	return q.Exec(ctx, s.pruneSQL, msInt(olderThan), limit)
+// addPartitions: SQLite's messages table has no partitions.
+func (sqlite) addPartitions(context.Context, dbx.Querier, int) error { return nil }
+
+func (sqlite) noPartition(error) bool { return false }
+
+// pruneBatch bounds the messages one of SQLite's retention statements deletes.
+const pruneBatch = 10000
+
+// maintain deletes the settled messages older than opts.OlderThan, pruneBatch at a time,
+// until a statement deletes fewer. SQLite keeps one table: its single writer holds no
+// snapshot that would keep deleted rows' versions alive.
+func (s sqlite) maintain(ctx context.Context, _ *partState, c dbx.Querier, opts MaintainOptions) (MaintainResult, error) {
+	var res MaintainResult
+	if !opts.Drop {
+		return res, nil
+	}
+	for {
+		n, err := c.Exec(ctx, s.pruneSQL, msInt(opts.OlderThan), pruneBatch)
+		res.Messages += n
+		if err != nil || n < pruneBatch {
+			return res, err
+		}
+	}
 }
 
 // heldBack: offsets commit in order on SQLite, so nothing is held back.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
@@ -20,6 +21,9 @@ type Store struct {
 	T Tables
 
 	db database // T's database, with the topic's statements made
+
+	mu    sync.Mutex // one Maintain at a time
+	parts partState  // what Maintain learned
 }
 
 // NewStore makes the statements of t's topic. With asyncCommit, claims, extensions and
@@ -315,8 +319,25 @@ func (s *Store) Notify(ctx context.Context, q dbx.Querier, channel string) error
 	return s.db.notify(ctx, q, channel, s.T.Messages)
 }
 
-// Prune deletes up to limit messages that every consumer group has passed and that no claim
-// holds, written more than olderThan ago, and returns how many it deleted.
-func (s *Store) Prune(ctx context.Context, q dbx.Querier, olderThan time.Duration, limit int) (int64, error) {
-	return s.db.prune(ctx, q, olderThan, limit)
+// AddPartitions makes sure the messages table can take the next n rows: on PostgreSQL, that
+// its partitions reach past them (and two partitions further); elsewhere it does nothing.
+func (s *Store) AddPartitions(ctx context.Context, q dbx.Querier, n int) error {
+	return s.db.addPartitions(ctx, q, n)
+}
+
+// NoPartition reports whether err is a write refused because no partition of the messages
+// table takes its row: AddPartitions, then writing again, succeeds.
+func (s *Store) NoPartition(err error) bool { return s.db.noPartition(err) }
+
+// Maintain runs one pass of retention on c, which must be one connection, not in a
+// transaction (c may run DETACH PARTITION ... CONCURRENTLY). On PostgreSQL it adds
+// partitions ahead of the sequence, moves each group's floor past the partitions it has
+// passed, and, with opts.Drop, detaches and drops the partitions that every group has passed,
+// no claim holds and whose messages were all written more than opts.OlderThan ago. On SQLite,
+// with opts.Drop, it deletes such messages one by one. What a pass learns is kept for the next
+// pass of the Store; passes of one Store run one at a time.
+func (s *Store) Maintain(ctx context.Context, c dbx.Querier, opts MaintainOptions) (MaintainResult, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.db.maintain(ctx, &s.parts, c, opts)
 }

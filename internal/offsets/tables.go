@@ -4,7 +4,8 @@
 //
 // A topic has three tables:
 //
-//   - messages: one row a published message, kept until retention deletes it, with the id of the transaction that
+//   - messages: one row a published message, kept until retention deletes it (on
+//     PostgreSQL in partitions by offset range, dropped whole: postgres_partitions.go), with the id of the transaction that
 //     wrote it (xid8). Read in (xid, offset) order and only below the oldest transaction still
 //     running (pg_snapshot_xmin), so a message committed late is never skipped.
 //   - groups: one row a consumer group, with the (xid, offset) position of the last message
@@ -21,6 +22,9 @@
 package offsets
 
 import (
+	"strconv"
+	"strings"
+
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 )
@@ -29,9 +33,11 @@ import (
 // comment and checked on start.
 //
 // Version 2 added the messages table's deliver_at column (delayed messages); version 3 made
-// the claims table one row per claim statement instead of one per message. SchemaSQL
-// upgrades tables of versions 1 and 2 in place (see upgradableVersions).
-const SchemaVersion = 3
+// the claims table one row per claim statement instead of one per message; version 4 put the
+// messages table in partitions by offset range (see postgres_partitions.go) and gave each
+// group row the floor of the partitions it reads. SchemaSQL upgrades tables of versions 1 to
+// 3 in place (see upgradableVersions).
+const SchemaVersion = 4
 
 // SQLiteSchemaVersion is the version of SQLite's tables, written into the messages table's
 // CREATE TABLE text. SQLite keeps one claim row per message: its single writer has no
@@ -42,8 +48,9 @@ const SQLiteSchemaVersion = 2
 // upgrades: version 1 lacks deliver_at (adding a nullable column without a default changes
 // only the catalog, under a lock held for an instant, and leaves every row as it is: NULL,
 // not delayed); versions 1 and 2 keep a claim row per message, which are moved into rows per
-// claim.
-var upgradableVersions = []int{1, 2}
+// claim; versions 1 to 3 keep the messages in one plain table, which becomes the first
+// partition of the partitioned one.
+var upgradableVersions = []int{1, 2, 3}
 
 // schemaComment is the comment the messages table carries; the version is the last field.
 const schemaCommentPrefix = "sqlbroker schema v"
@@ -120,6 +127,35 @@ func (t Tables) obj(suffix string) string {
 // seq is like obj, schema-qualified, for sequences.
 func (t Tables) seq(suffix string) string {
 	return ident.Qualified(t.Schema, ident.TableName(t.prefix, t.Topic, suffix))
+}
+
+// partSuffixRoom is the longest suffix a partition's name or the name of one of its indexes
+// gets after partStem: "_p", a lower bound of up to 20 characters, "_pkey".
+const partSuffixRoom = "_p" + "-0000000000000000000" + "_pkey"
+
+// partStem starts the name of every partition of the messages table (PostgreSQL): the
+// partition of the offsets from lo is partStem + "_p" + lo, its indexes that name followed by
+// "_pkey" and "_xid". It is cut and hashed as TableName cuts a table name, keeping room for
+// the longest suffix, so that every such name fits in 63 bytes and stays the topic's own.
+func (t Tables) partStem() string {
+	return strings.TrimSuffix(ident.TableName(t.prefix, t.Topic, partSuffixRoom), partSuffixRoom)
+}
+
+// PartitionName is the name, unquoted, of the partition of the messages table (PostgreSQL)
+// whose offsets start at lo; 0 names the one from MINVALUE, which a table of schema version 3
+// or older became.
+func (t Tables) PartitionName(lo int64) string {
+	return t.partStem() + "_p" + strconv.FormatInt(lo, 10)
+}
+
+// extendFn is the schema-qualified name of the function that adds partitions to the messages
+// table (PostgreSQL; see extendFnSQL).
+func (t Tables) extendFn() string { return t.seq("_m_extend") }
+
+// DropSQL drops the topic's tables (PostgreSQL): the messages table with its partitions and
+// sequence, the groups and claims tables, and the function that adds partitions.
+func (t Tables) DropSQL() string {
+	return "DROP TABLE IF EXISTS " + t.Messages + ", " + t.Groups + ", " + t.Claims + ";\nDROP FUNCTION IF EXISTS " + t.extendFn() + "(bigint, bigint);\n"
 }
 
 // SchemaSQL is the DDL for the topic's tables. It is idempotent (IF NOT EXISTS) and is what

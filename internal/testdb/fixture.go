@@ -14,7 +14,7 @@ import (
 )
 
 // Fixture is a topic set up, through the library's own statements, in a known state for the
-// tests of what operators read: 10 messages published, then
+// tests of what operators read: 10 messages published (one a partition), then
 //   - group "ahead" claimed 6 of them: 3 leased for an hour (in work), 1 nacked with an hour's
 //     backoff (waiting), 2 whose lease ran out (due);
 //   - group "behind" exists at the oldest message and claimed nothing (lag 10).
@@ -37,6 +37,7 @@ func NewFixture(t testing.TB) *Fixture {
 	f := &Fixture{Topic: topic, Tables: offsets.NewTables("", "sqlbroker_", topic), Pool: pool}
 	f.Store = offsets.NewStore(f.Tables, false)
 	must(t, f.Tables.Create(ctx, db))
+	SmallPartitions(t, f.Tables, 1, 12) // a message a partition: retention drops them one by one
 	f.Publish(t, 10)
 	ahead, err := f.Store.EnsureGroup(ctx, db, "ahead", false)
 	must(t, err)

@@ -34,6 +34,10 @@ func NewState(t testing.TB, db dbx.Pool, topic, dead string) *State {
 		DeadTb: offsets.NewTables("", "sqlbroker_", dead).On(d)}
 	must(t, s.Tables.Create(ctx, db))
 	must(t, s.DeadTb.Create(ctx, db))
+	if d == dbx.Postgres {
+		// A message a partition: retention then drops what SQLite deletes, message by message.
+		SmallPartitions(t, s.Tables, 1, 10)
+	}
 	store, deadStore := offsets.NewStore(s.Tables, false), offsets.NewStore(s.DeadTb, false)
 	rows := make([]offsets.Row, 10)
 	for i := range rows {

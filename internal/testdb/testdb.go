@@ -158,7 +158,7 @@ func DropTopic(t testing.TB, schema, topic string) {
 	tables := offsets.NewTables(schema, "sqlbroker_", topic)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if _, err := Pgx(t).Exec(ctx, "DROP TABLE IF EXISTS "+tables.Messages+", "+tables.Groups+", "+tables.Claims); err != nil {
+	if _, err := Pgx(t).Exec(ctx, tables.DropSQL()); err != nil {
 		t.Errorf("dropping tables of %s: %v", topic, err)
 	}
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
@@ -108,6 +109,8 @@ func TestMigrateWatermillSQL_backlogOnceInOrder(t *testing.T) {
 	defer newSub.Close()
 	newCh, err := newSub.Subscribe(ctx, topic)
 	require.NoError(t, err)
+	// Room for 1,000 messages: the migration and the publishers run past it.
+	testdb.SmallPartitions(t, offsets.NewTables("", sqlbroker.DefaultTablePrefix, topic), 1000, 1)
 	newPub, err := sqlbroker.NewPublisher(sqlbroker.Pgx(pool), sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
 	require.NoError(t, err)
 	defer newPub.Close()

@@ -1,0 +1,153 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+)
+
+// Scenario 12, retention: -retention-n messages offered at -retention-rate to one topic,
+// consumed by one subscriber with Retention -retention (1 s by default), and the sizes of
+// the topic's tables every second (pg_total_relation_size, the messages table's summed over
+// its partitions): what the tables hold must follow what is unsettled and retained, not what
+// has passed through. After the last message is handled, it waits up to -retention-settle for
+// retention to drop what it can, and prints the sizes at the peak and at the end. Dropped
+// partitions need no vacuum; the claims table's deleted rows do: on a server whose autovacuum
+// is off, -retention-vacuum D vacuums the claims and groups tables every D in its stead.
+func scenarioRetention(ctx context.Context, b *bench, c contender) error {
+	if c == watermillSQL {
+		return fmt.Errorf("%w: watermill-sql has no retention", errNA)
+	}
+	if c.onSQLite() {
+		return fmt.Errorf("%w: SQLite keeps one table (retention deletes row by row)", errNA)
+	}
+	cfg := b.cfg
+	e, topic, err := b.prepare(ctx, c, "retention", 0)
+	if err != nil {
+		return err
+	}
+	defer e.close()
+	defer b.dropTopic(c, topic)
+	tables := libTables(topic)
+	pub, err := e.publisher()
+	if err != nil {
+		return err
+	}
+	defer pub.Close()
+	sub, err := e.pgSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: "retention", Retention: cfg.retention})
+	if err != nil {
+		return err
+	}
+	defer sub.Close()
+	var handled atomic.Int64
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		return err
+	}
+	router.AddConsumerHandler("retention", topic, sub, func(*message.Message) error {
+		handled.Add(1)
+		return nil
+	})
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	runErr := make(chan error, 1)
+	go func() { runErr <- router.Run(runCtx) }()
+	defer func() {
+		_ = router.Close()
+		select {
+		case <-runErr:
+		case <-time.After(30 * time.Second):
+			b.logf("retention, %s: router did not stop within 30s of Close", c)
+		}
+	}()
+	select {
+	case <-router.Running():
+	case err := <-runErr:
+		runErr <- err
+		return fmt.Errorf("router stopped before running: %v", err)
+	case <-time.After(30 * time.Second):
+		return errors.New("router did not start within 30s")
+	}
+
+	fmt.Printf("## Scenario 12, retention: %s, %d messages of %d B offered at %d msg/s to one subscriber with Retention %s\n\n",
+		c, cfg.retentionN, cfg.payloadSize, cfg.retentionRate, cfg.retention)
+	var autovacuum string
+	if err := b.admin.QueryRow(ctx, `SELECT current_setting('autovacuum')`).Scan(&autovacuum); err != nil {
+		return err
+	}
+	vacuum := "left to autovacuum (" + autovacuum + ")"
+	if cfg.retentionVacuum > 0 {
+		vacuum = fmt.Sprintf("VACUUM every %s", cfg.retentionVacuum)
+	}
+	fmt.Printf("Sizes: pg_total_relation_size (table, indexes, TOAST), the messages table summed over its partitions. Claims and groups tables: %s.\n\n", vacuum)
+	fmt.Printf("%5s %10s %10s %8s | %12s %10s | %12s\n", "t", "published", "handled", "lag", "messages", "partitions", "claims")
+
+	start := time.Now()
+	p := startPacer(runCtx, pub, topic, cfg.retentionRate, b.payload)
+	stopped := false
+	stopPacer := func() {
+		if !stopped {
+			stopped = true
+			p.stop()
+		}
+	}
+	defer stopPacer()
+	var peakMsgs, peakClaims, lastMsgs, lastClaims int64
+	var doneAt, vacuumed time.Time
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-tick.C:
+		case err := <-runErr:
+			runErr <- err
+			return fmt.Errorf("router stopped early: %v", err)
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+		if perr := p.failed(); perr != nil {
+			return perr
+		}
+		if cfg.retentionVacuum > 0 && time.Since(vacuumed) >= cfg.retentionVacuum {
+			vacuumed = time.Now()
+			if _, err := b.admin.Exec(ctx, "VACUUM "+tables.Claims+", "+tables.Groups); err != nil {
+				return fmt.Errorf("vacuum: %w", err)
+			}
+		}
+		published, h := p.published.Load(), handled.Load()
+		if published >= int64(cfg.retentionN) {
+			stopPacer()
+			published = p.published.Load()
+		}
+		var msgs, claims, parts int64
+		if err := b.admin.QueryRow(ctx, `SELECT `+totalSizeSQL(1)+`, `+totalSizeSQL(2)+`,
+			(SELECT count(*) FROM pg_inherits WHERE inhparent = to_regclass($1))`,
+			tables.Messages, tables.Claims).Scan(&msgs, &claims, &parts); err != nil {
+			return fmt.Errorf("read the sizes: %w", err)
+		}
+		peakMsgs, peakClaims, lastMsgs, lastClaims = max(peakMsgs, msgs), max(peakClaims, claims), msgs, claims
+		fmt.Printf("%5.0f %10d %10d %8d | %8.1f MiB %10d | %8.2f MiB\n", time.Since(start).Seconds(), published, h, published-h,
+			mib(uint64(msgs)), parts, mib(uint64(claims)))
+		if stopped && h >= published {
+			if doneAt.IsZero() {
+				doneAt = time.Now()
+			}
+			if time.Since(doneAt) >= cfg.retentionSettle {
+				break
+			}
+		}
+	}
+	n := p.published.Load()
+	payload := float64(n) * float64(cfg.payloadSize)
+	fmt.Printf("\n- %d messages (%.1f MiB of payload) through in %s; messages table at most %.1f MiB, %.1f MiB at the end; claims table at most %.2f MiB, %.2f MiB at the end\n\n",
+		n, payload/(1<<20), doneAt.Sub(start).Round(time.Second), mib(uint64(peakMsgs)), mib(uint64(lastMsgs)),
+		mib(uint64(peakClaims)), mib(uint64(lastClaims)))
+	return nil
+}
