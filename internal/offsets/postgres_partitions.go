@@ -155,10 +155,10 @@ func messagesSchemaSQL(b *strings.Builder, t Tables) {
 	start  bigint;
 	newest bigint;
 BEGIN
+	IF to_regclass(%[1]s) IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = to_regclass(%[1]s) AND attname = 'deliver_at' AND NOT attisdropped) THEN
+		ALTER TABLE %[2]s ADD COLUMN "deliver_at" timestamptz;
+	END IF;
 	IF (SELECT c.relkind FROM pg_catalog.pg_class c WHERE c.oid = to_regclass(%[1]s)) = 'r' THEN
-		IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = %[1]s::regclass AND attname = 'deliver_at' AND NOT attisdropped) THEN
-			ALTER TABLE %[2]s ADD COLUMN "deliver_at" timestamptz;
-		END IF;
 		LOCK TABLE %[2]s IN ACCESS EXCLUSIVE MODE;
 		SELECT greatest(coalesce(max(m."offset"), 0),
 			coalesce(pg_sequence_last_value(pg_get_serial_sequence(%[1]s, 'offset')::regclass), 0)) + 1,
