@@ -3,7 +3,6 @@ package sqlbroker
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/advisory"
@@ -495,16 +494,15 @@ func (a *Admin) onConn(ctx context.Context, fn func(dbx.Conn) error) error {
 		defer c.Release()
 		return fn(c)
 	}
-	var was string
-	if err := dbx.QueryRowWrite(ctx, c, `SELECT current_setting('statement_timeout'), set_config('statement_timeout', $1, false)`,
-		[]any{strconv.FormatInt(a.config.StatementTimeout.Milliseconds(), 10)}, &was, new(string)); err != nil {
+	was, err := dbx.SetSessionStatementTimeout(ctx, c, a.config.StatementTimeout.Milliseconds())
+	if err != nil {
 		c.Destroy()
 		return err
 	}
 	err = fn(c)
 	rctx, cancel := dbx.CleanupContext(ctx)
 	defer cancel()
-	if _, rerr := c.Exec(rctx, `SELECT set_config('statement_timeout', $1, false)`, was); rerr != nil {
+	if rerr := dbx.RestoreSessionStatementTimeout(rctx, c, was); rerr != nil {
 		c.Destroy()
 		return err
 	}

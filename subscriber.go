@@ -251,7 +251,7 @@ func (s *Subscriber) begin(ctx context.Context, topic string) (store, dlq *offse
 		err = run(s.db, s.db)
 	} else {
 		err = dbx.InTx(ctx, s.db, func(tx dbx.Tx) error {
-			if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"); err != nil {
+			if err := dbx.ReadCommitted(ctx, tx); err != nil {
 				return err
 			}
 			return run(nil, tx)

@@ -81,3 +81,25 @@ func SetTxTimeouts(ctx context.Context, tx Querier, ms int64, access TxAccess) e
 	_, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $1, true)`, v)
 	return err
 }
+
+// SetSessionStatementTimeout bounds the statements of connection c to ms milliseconds for the
+// rest of its session, and returns the setting it had, for RestoreSessionStatementTimeout.
+// Call it only where the dialect has StatementTimeouts.
+func SetSessionStatementTimeout(ctx context.Context, c Querier, ms int64) (was string, err error) {
+	err = QueryRowWrite(ctx, c, `SELECT current_setting('statement_timeout'), set_config('statement_timeout', $1, false)`,
+		[]any{strconv.FormatInt(ms, 10)}, &was, new(string))
+	return was, err
+}
+
+// RestoreSessionStatementTimeout puts back the setting SetSessionStatementTimeout returned.
+func RestoreSessionStatementTimeout(ctx context.Context, c Querier, was string) error {
+	_, err := c.Exec(ctx, `SELECT set_config('statement_timeout', $1, false)`, was)
+	return err
+}
+
+// ReadCommitted makes the transaction tx, just begun, run at READ COMMITTED whatever the
+// session's default, so that each of its statements sees the rows committed before it.
+func ReadCommitted(ctx context.Context, tx Querier) error {
+	_, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+	return err
+}
