@@ -30,6 +30,43 @@ const mergeOffsetsSQL = `ON CONFLICT ("group_id", "token", "attempts") DO UPDATE
 	SET "offsets" = ARRAY(SELECT o FROM unnest(c."offsets" || excluded."offsets") o ORDER BY o),
 		"visible_at" = excluded."visible_at"`
 
+// dueStepSQL is the due step of the claim statements: d0, the rows of group $1 that are due
+// again (and match filter), lowest offsets first, locked unless another claimer has them;
+// d1, their running count of offsets; due, one line per offset, up to limit in all (the last
+// row reached may be taken in part). claims, cond and limit are placeholders of the caller's
+// format (the names are never written into a format: a topic may hold a %).
+func dueStepSQL(claims, filter, cond, limit string) string {
+	return `d0 AS (
+	SELECT c."token", c."attempts", c."offsets" FROM ` + claims + ` c
+	WHERE c."group_id" = $1 AND c."visible_at" <= now()` + filter + cond + `
+	ORDER BY c."offsets"[1] LIMIT ` + limit + `
+	FOR UPDATE SKIP LOCKED
+), d1 AS (
+	SELECT d0.*, sum(cardinality(d0."offsets")) OVER (ORDER BY d0."offsets"[1] ROWS UNBOUNDED PRECEDING) AS upto FROM d0
+), due AS (
+	SELECT x.o AS "offset", d1."token", d1."attempts" FROM d1,
+	unnest(d1."offsets"[1 : least(cardinality(d1."offsets"), ` + limit + ` - (d1.upto - cardinality(d1."offsets")))::int]) x(o)
+)`
+}
+
+// moveOutSQL takes the due offsets taken again (r, with their attempt counts one up) out of
+// their rows (d1): mv groups them by row, rdel deletes a row left empty, rupd keeps the rest
+// of the others. claims is a placeholder of the caller's format.
+func moveOutSQL(claims string) string {
+	return `mv AS (
+	SELECT r."token", r."attempts" - 1 AS "attempts", array_agg(r."offset") AS gone FROM r GROUP BY r."token", r."attempts"
+), rdel AS (
+	DELETE FROM ` + claims + ` c USING mv, d1
+	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
+	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") = cardinality(mv.gone)
+), rupd AS (
+	UPDATE ` + claims + ` c SET "offsets" = ARRAY(SELECT o FROM unnest(d1."offsets") o WHERE o <> ALL (mv.gone))
+	FROM mv, d1
+	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
+	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") > cardinality(mv.gone)
+)`
+}
+
 // claimSQL builds the claim statements. One round trip claims up to $4 messages for group $1
 // under token $2 (parameters: lease mode $3 the lease in ms, $5 the delayed messages it may
 // pass; advisory mode $3 the lock key1, $5 the offsets whose locks the session holds already,
@@ -73,17 +110,7 @@ func claimSQL(t Tables, with, cond string, due, locked bool) string {
 	var b []byte
 	b = fmt.Appendf(b, "%s", with)
 	if due {
-		b = fmt.Appendf(b, `d0 AS (
-	SELECT c."token", c."attempts", c."offsets" FROM %[1]s c
-	WHERE c."group_id" = $1 AND c."visible_at" <= now()%[2]s
-	ORDER BY c."offsets"[1] LIMIT %[3]s
-	FOR UPDATE SKIP LOCKED
-), d1 AS (
-	SELECT d0.*, sum(cardinality(d0."offsets")) OVER (ORDER BY d0."offsets"[1] ROWS UNBOUNDED PRECEDING) AS upto FROM d0
-), due AS (
-	SELECT x.o AS "offset", d1."token", d1."attempts" FROM d1,
-	unnest(d1."offsets"[1 : least(cardinality(d1."offsets"), %[3]s - (d1.upto - cardinality(d1."offsets")))::int]) x(o)
-)`, t.Claims, cond, limit)
+		b = fmt.Appendf(b, dueStepSQL("%[1]s", "", "%[2]s", "%[3]s"), t.Claims, cond, limit)
 	} else {
 		b = append(b, `due AS (SELECT NULL::bigint AS "offset", NULL::bigint AS "token", NULL::integer AS "attempts" WHERE false)`...)
 	}
@@ -115,18 +142,7 @@ func claimSQL(t Tables, with, cond string, due, locked bool) string {
 	SELECT due."offset", due."token", due."attempts" + 1 AS "attempts" FROM %s
 )`, taken)
 	if due {
-		b = fmt.Appendf(b, `, mv AS (
-	SELECT r."token", r."attempts" - 1 AS "attempts", array_agg(r."offset") AS gone FROM r GROUP BY r."token", r."attempts"
-), rdel AS (
-	DELETE FROM %[1]s c USING mv, d1
-	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
-	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") = cardinality(mv.gone)
-), rupd AS (
-	UPDATE %[1]s c SET "offsets" = ARRAY(SELECT o FROM unnest(d1."offsets") o WHERE o <> ALL (mv.gone))
-	FROM mv, d1
-	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
-	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") > cardinality(mv.gone)
-)`, t.Claims)
+		b = fmt.Appendf(b, ", "+moveOutSQL("%[1]s"), t.Claims)
 	}
 	b = fmt.Appendf(b, `, ins AS (
 	INSERT INTO %[1]s AS c ("group_id", "token", "attempts", "visible_at", "offsets")
@@ -330,17 +346,7 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 	SELECT DISTINCT `+orderKeySQL+` AS k
 	FROM cl, unnest(cl."offsets") x(o), `+byOffsetSQL("m", "x.o")+`
 	WHERE cl."order_key" IS NULL AND m."metadata" ? '`+MetaOrderKey+`'
-), d0 AS (
-	SELECT c."token", c."attempts", c."offsets" FROM %[3]s c
-	WHERE c."group_id" = $1 AND c."visible_at" <= now() AND c."order_key" IS NULL%[5]s
-	ORDER BY c."offsets"[1] LIMIT $4
-	FOR UPDATE SKIP LOCKED
-), d1 AS (
-	SELECT d0.*, sum(cardinality(d0."offsets")) OVER (ORDER BY d0."offsets"[1] ROWS UNBOUNDED PRECEDING) AS upto FROM d0
-), due AS (
-	SELECT x.o AS "offset", d1."token", d1."attempts" FROM d1,
-	unnest(d1."offsets"[1 : least(cardinality(d1."offsets"), $4 - (d1.upto - cardinality(d1."offsets")))::int]) x(o)
-), h0 AS (
+), `+dueStepSQL("%[3]s", ` AND c."order_key" IS NULL`, "%[5]s", "$4")+`, h0 AS (
 	SELECT DISTINCT ON (cl."order_key") cl."token", cl."offsets"[1] AS o, cl."order_key" AS k, m."xid",
 		CASE WHEN m."deliver_at" > now() THEN m."deliver_at" END AS later
 	FROM cl, `+byOffsetSQL("m", `cl."offsets"[1]`)+`
@@ -379,18 +385,7 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 	WHERE w.nth - (w.cls = 'c')::int < (SELECT n FROM room)
 ), r AS (
 	SELECT due."offset", due."token", due."attempts" + 1 AS "attempts" FROM due
-), mv AS (
-	SELECT r."token", r."attempts" - 1 AS "attempts", array_agg(r."offset") AS gone FROM r GROUP BY r."token", r."attempts"
-), rdel AS (
-	DELETE FROM %[3]s c USING mv, d1
-	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
-	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") = cardinality(mv.gone)
-), rupd AS (
-	UPDATE %[3]s c SET "offsets" = ARRAY(SELECT o FROM unnest(d1."offsets") o WHERE o <> ALL (mv.gone))
-	FROM mv, d1
-	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
-	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") > cardinality(mv.gone)
-), ins AS (
+), `+moveOutSQL("%[3]s")+`, ins AS (
 	INSERT INTO %[3]s AS c ("group_id", "token", "attempts", "visible_at", "offsets", "order_key")
 	SELECT $1, $2::bigint, a.att, (SELECT clock_timestamp() + $3::float8 * interval '1 millisecond'), array_agg(a.o ORDER BY a.o), NULL::bigint FROM (
 		SELECT r."offset" AS o, r."attempts" AS att FROM r
