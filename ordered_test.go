@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -251,4 +252,35 @@ func TestOrderByKey_inspectCountsParked(t *testing.T) {
 	assert.Equal(t, "1", string(second.Payload))
 	second.Ack()
 	assert.Equal(t, "2", string(receive(t, msgs, 10*time.Second).Payload))
+}
+
+// A delayed message holds its key's later messages back until it has come and been acked;
+// a message of another key goes at once.
+func TestOrderByKey_delayedMessageHoldsItsKey(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, pgxDB(t))
+	keyed := func(payload, key string) *message.Message {
+		m := message.NewMessage(watermill.NewUUID(), []byte(payload))
+		m.Metadata.Set(sqlbroker.MetadataOrderKey, key)
+		return m
+	}
+	late := keyed("A1", "A")
+	delay.Message(late, delay.For(1500*time.Millisecond))
+	published := time.Now()
+	require.NoError(t, pub.Publish(topic, late, keyed("A2", "A"), keyed("B1", "B")))
+
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{OrderByKey: true, PollInterval: 20 * time.Millisecond})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	first := receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "B1", string(first.Payload), "the other key goes at once")
+	first.Ack()
+	second := receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "A1", string(second.Payload), "A2 went before the delayed A1")
+	assert.GreaterOrEqual(t, time.Since(published), 1500*time.Millisecond)
+	noMessage(t, msgs, 300*time.Millisecond) // A2 waits for A1's ack
+	second.Ack()
+	assert.Equal(t, "A2", string(receive(t, msgs, 10*time.Second).Payload))
 }
