@@ -63,10 +63,11 @@ type call struct {
 	conn   Conn
 	cancel context.CancelFunc // ends the call's own context: the acquire, or the driver gives up
 
-	timer    *time.Timer // the time limit, then the last resort; made once per call struct
-	onCtxFn  func()      // c.onCtx, bound once
-	armed    bool        // timer set for this call
-	ctxStop  func() bool // the AfterFunc of the caller's context, when it can end
+	timer    *time.Timer   // the time limit, then the last resort; made once per call struct
+	onCtxFn  func()        // c.onCtx, bound once
+	armed    bool          // timer set for this call
+	runLimit time.Duration // RunWaiting: the statement's limit, from the moment it has a connection
+	ctxStop  func() bool   // the AfterFunc of the caller's context, when it can end
 	sending  sync.WaitGroup
 	sent     atomic.Bool // the cancel request went out
 	closes   atomic.Bool // the driver closes the connection after it
@@ -101,22 +102,34 @@ var errAcquireLimit = fmt.Errorf("dbx: no connection within the statement's time
 // run a transaction on it (q is a Beginner too); a cancel reaches whichever of its statements
 // is running, and a statement that starts after the cancel was sent is not cancelled again.
 func (t *Tracker) Run(ctx context.Context, kind string, limit time.Duration, fn func(ctx context.Context, q Querier) error) error {
-	return t.run(ctx, kind, limit, fn, nil)
+	return t.run(ctx, kind, limit, 0, fn, nil)
+}
+
+// RunWaiting is Run whose wait for a connection and statement have limits of their own: it
+// waits up to wait for a connection, then gives the statement limit from the moment it has
+// one. A caller that may wait longer for a connection than for its statement (a busy pool
+// hands connections out in turn, and a wait given up and begun again goes to the back) keeps
+// its place; a statement stuck on a connection is still cancelled after limit and may be tried
+// again on another. wait and limit must be positive.
+func (t *Tracker) RunWaiting(ctx context.Context, kind string, wait, limit time.Duration, fn func(ctx context.Context, q Querier) error) error {
+	return t.run(ctx, kind, wait, limit, fn, nil)
 }
 
 // RunConn is Run for an fn that needs the connection itself (its backend's PID); fn must not
 // Release, Destroy or Cancel it.
 func (t *Tracker) RunConn(ctx context.Context, kind string, limit time.Duration, fn func(ctx context.Context, c Conn) error) error {
-	return t.run(ctx, kind, limit, nil, fn)
+	return t.run(ctx, kind, limit, 0, nil, fn)
 }
 
-func (t *Tracker) run(ctx context.Context, kind string, limit time.Duration, fnq func(context.Context, Querier) error, fnc func(context.Context, Conn) error) error {
+// run: limit bounds the call from its start; runLimit, when positive, bounds the statement
+// from the moment it has a connection instead.
+func (t *Tracker) run(ctx context.Context, kind string, limit, runLimit time.Duration, fnq func(context.Context, Querier) error, fnc func(context.Context, Conn) error) error {
 	c, _ := t.free.Get().(*call)
 	if c == nil {
 		c = &call{t: t}
 		c.onCtxFn = c.onCtx
 	}
-	c.kind, c.ctx, c.phase = kind, ctx, phaseAcquire
+	c.kind, c.ctx, c.phase, c.runLimit = kind, ctx, phaseAcquire, runLimit
 
 	// One context serves the acquire and the statement: it keeps ctx's values, and only the
 	// call ends it (a trigger while it waits for a connection, or the last resort).
@@ -165,6 +178,11 @@ func (t *Tracker) run(ctx context.Context, kind string, limit time.Duration, fnq
 	if reason == nil && err == nil {
 		c.conn = conn
 		c.phase = phaseRun
+		// RunWaiting: the statement's own limit starts now. A timer that has fired already
+		// (its onTimer waits for c.mu) cancels the statement as soon as it starts.
+		if c.runLimit > 0 && c.armed && !c.resorted && c.timer.Stop() {
+			c.timer.Reset(c.runLimit)
+		}
 	} else {
 		c.phase = phaseDone
 	}
@@ -263,7 +281,7 @@ func (t *Tracker) finish(c *call, err error) error {
 }
 
 func (t *Tracker) recycle(c *call) {
-	c.ctx, c.conn, c.cancel, c.ctxStop, c.armed = nil, nil, nil, nil, false
+	c.ctx, c.conn, c.cancel, c.ctxStop, c.armed, c.runLimit = nil, nil, nil, nil, false, 0
 	c.reason, c.resorted = nil, false
 	c.sent.Store(false)
 	c.closes.Store(false)

@@ -121,9 +121,9 @@ func TestTracker_C1_contextAndLimitCancelOnTheServer(t *testing.T) {
 	}
 }
 
-// A time limit, or the caller's context, ends a wait for a connection of an exhausted pool:
-// Run returns the deadline's error, takes nothing from the pool, and the next call runs.
-func TestTracker_limitAndContextBoundTheAcquire(t *testing.T) {
+// onePool returns a pgx pool of one connection, closed when the test ends, and a tracker on it.
+func onePool(t *testing.T) (*pgxpool.Pool, dbx.Pool, *dbx.Tracker) {
+	t.Helper()
 	cfg, err := pgxpool.ParseConfig(testdb.URL())
 	if err != nil {
 		t.Fatal(err)
@@ -133,10 +133,19 @@ func TestTracker_limitAndContextBoundTheAcquire(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer pp.Close()
 	pool := dbx.NewPgxPool(pp)
 	tr := dbx.NewTracker(pool)
-	defer tr.Stop(context.Background())
+	t.Cleanup(func() {
+		tr.Stop(context.Background())
+		pp.Close()
+	})
+	return pp, pool, tr
+}
+
+// A time limit, or the caller's context, ends a wait for a connection of an exhausted pool:
+// Run returns the deadline's error, takes nothing from the pool, and the next call runs.
+func TestTracker_limitAndContextBoundTheAcquire(t *testing.T) {
+	pp, pool, tr := onePool(t)
 	held, err := pool.Acquire(context.Background())
 	if err != nil {
 		t.Fatal(err)
@@ -165,6 +174,59 @@ func TestTracker_limitAndContextBoundTheAcquire(t *testing.T) {
 	held.Release()
 	if err := tr.Run(context.Background(), "select", time.Minute, fn); err != nil || !ran {
 		t.Fatalf("Run once a connection is free: %v (fn ran: %v)", err, ran)
+	}
+}
+
+// RunWaiting waits for a connection longer than its statement's limit: it gets the
+// connection freed after 300 ms (where Run with the same limit gives up), and its statement's
+// limit counts from then, so a statement that runs past it is still cancelled on the server.
+func TestTracker_runWaitingWaitsLongerForAConnection(t *testing.T) {
+	pp, pool, tr := onePool(t)
+	hold := func() {
+		t.Helper()
+		held, err := pool.Acquire(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.AfterFunc(300*time.Millisecond, held.Release)
+	}
+	sleep := func(d string) func(ctx context.Context, q dbx.Querier) error {
+		return func(ctx context.Context, q dbx.Querier) error {
+			_, err := q.Exec(ctx, "SELECT pg_sleep("+d+")")
+			return err
+		}
+	}
+
+	hold()
+	if err := tr.Run(context.Background(), "select", 150*time.Millisecond, sleep("0")); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Run with a 150ms limit on a pool held 300ms: %v, want the deadline's error", err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); pp.Stat().AcquiredConns() > 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the held connection was not given back")
+		}
+	}
+
+	hold()
+	start := time.Now()
+	if err := tr.RunWaiting(context.Background(), "select", 5*time.Second, 150*time.Millisecond, sleep("0.1")); err != nil {
+		t.Fatalf("RunWaiting on a pool held 300ms, a 100ms statement with a 150ms limit: %v", err)
+	}
+	if d := time.Since(start); d < 300*time.Millisecond {
+		t.Fatalf("RunWaiting returned after %v, before the connection was freed", d)
+	}
+
+	hold()
+	start = time.Now()
+	err := tr.RunWaiting(context.Background(), "select", 5*time.Second, 150*time.Millisecond, sleep("10"))
+	if !errors.Is(err, dbx.ErrLimit) {
+		t.Fatalf("RunWaiting, a 10s statement with a 150ms limit: %v, want it cancelled on the server", err)
+	}
+	if d := time.Since(start); d > 4*time.Second {
+		t.Fatalf("the statement was cancelled %v after the call began: its limit counted from the 5s wait, not from the connection", d)
+	}
+	if got := pp.Stat().AcquiredConns(); got != 0 {
+		t.Fatalf("%d connections still acquired", got)
 	}
 }
 
