@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -22,10 +24,13 @@ import (
 
 // takeAway takes the claim of the delivery at offset from it while its handler runs, and
 // waits (up to 5 s) until another consumer of the group holds it: in lease mode its lease is
-// made to run out; in advisory mode the lock connection holding it is terminated.
+// made to run out; in advisory mode the lock connection holding it is terminated. Its
+// statements run on a pool of their own: the handlers that call it hold transactions on the
+// package's pool, and when they hold all of its connections, a wait for one of them would never
+// end.
 func takeAway(t *testing.T, mode sqlbroker.ClaimMode, claims string, offset int64) {
 	ctx := context.Background()
-	pool := testdb.Pgx(t)
+	pool := takeAwayPool(t)
 	var token int64
 	if err := pool.QueryRow(ctx, `SELECT "token" FROM `+claims+` WHERE "offsets" @> ARRAY[$1::bigint]`, offset).Scan(&token); err != nil {
 		return // settled meanwhile
@@ -55,6 +60,35 @@ SELECT "group_id", -1 - $1::bigint, "attempts", now() - interval '1 second', ARR
 			return
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+var (
+	takeAwayOnce sync.Once
+	takeAwayP    *pgxpool.Pool
+	takeAwayErr  error
+)
+
+// takeAwayPool is the pool of takeAway's statements, shared by the tests of the package.
+func takeAwayPool(t *testing.T) *pgxpool.Pool {
+	takeAwayOnce.Do(func() {
+		cfg, err := pgxpool.ParseConfig(testdb.URL())
+		if err != nil {
+			takeAwayErr = err
+			return
+		}
+		cfg.MaxConns = 4
+		cfg.MaxConnIdleTime = 5 * time.Second
+		takeAwayP, takeAwayErr = pgxpool.NewWithConfig(context.Background(), cfg)
+	})
+	require.NoError(t, takeAwayErr)
+	return takeAwayP
+}
+
+// closeTakeAwayPool closes takeAwayPool's pool, if it was made (TestMain).
+func closeTakeAwayPool() {
+	if takeAwayP != nil {
+		takeAwayP.Close()
 	}
 }
 

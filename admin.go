@@ -214,8 +214,11 @@ type ClaimState struct {
 	// claim of the group takes it over).
 	Advisory  bool  `json:"advisory,omitempty"`
 	HolderPID int64 `json:"holder_pid,omitempty"`
+	// Parked says the message waits behind an earlier message of its key, in a group ordered
+	// by key (SubscriberConfig.OrderByKey).
+	Parked bool `json:"parked,omitempty"`
 	// Deadline is, for a leased claim, the end of its lease, and for a nacked one the end of
-	// its backoff; zero for an advisory claim.
+	// its backoff; zero for an advisory claim and a parked one.
 	Deadline time.Time `json:"deadline,omitzero"`
 	// Waiting says the claim was nacked or given back (no consumer holds it).
 	Waiting bool `json:"waiting,omitempty"`
@@ -310,10 +313,12 @@ func (a *Admin) Inspect(ctx context.Context, opts InspectOptions) (Inspection, e
 			}
 			now := time.Now()
 			for _, c := range cs {
-				st := ClaimState{Group: c.Group, Offset: c.Offset, Attempts: c.Attempts, Advisory: c.Advisory, Waiting: c.Token == 0}
-				if c.Advisory {
+				st := ClaimState{Group: c.Group, Offset: c.Offset, Attempts: c.Attempts, Advisory: c.Advisory, Parked: c.Parked, Waiting: c.Token == 0 && !c.Parked}
+				switch {
+				case c.Advisory:
 					st.HolderPID = holders[[2]int32{advisory.Key1(t.Messages, c.Group), advisory.Key2(c.Offset)}]
-				} else {
+				case c.Parked: // no deadline: it waits for its key
+				default:
 					st.Deadline = now.Add(seconds(c.In)).Truncate(time.Millisecond)
 				}
 				ts.Claims = append(ts.Claims, st)

@@ -158,17 +158,19 @@ func (a *advisoryMode) registered(ds []*delivery) {
 // claim is the advisory claim round: orphans first, then claims due again and new messages.
 // A round that finds the lock connection gone while it held no lock (an idle connection is
 // pinged rarely) runs once more at once, on the connection opened again: nothing was lost.
-func (a *advisoryMode) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
+// A lock has no lease: from is when the round began.
+func (a *advisoryMode) claim(buf []offsets.Claimed, n int, due offsets.Due) ([]offsets.Claimed, int64, time.Time, error) {
+	from := time.Now()
 	held, gen := a.conn.Held(), a.conn.Gen()
 	out, token, err := a.claimRound(buf, n, due)
 	if err != nil && held == 0 && a.conn.Gen() != gen && a.sub.ctx.Err() == nil {
 		a.sub.logger.Debug("The idle lock connection was gone; claiming again on a new one", watermill.LogFields{"err": err.Error()})
-		return a.claimRound(buf, n, due)
+		out, token, err = a.claimRound(buf, n, due)
 	}
-	return out, token, err
+	return out, token, from, err
 }
 
-func (a *advisoryMode) claimRound(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
+func (a *advisoryMode) claimRound(buf []offsets.Claimed, n int, due offsets.Due) ([]offsets.Claimed, int64, error) {
 	sub := a.sub
 	if err := sub.ctx.Err(); err != nil {
 		return buf[:0], 0, err // stopping: claim nothing only to give it back
@@ -291,7 +293,7 @@ func (a *advisoryMode) rescue(buf []offsets.Claimed, n int, token int64) ([]offs
 
 // claimNew claims due and new messages on the lock connection, taking their locks in the
 // statement that claims them.
-func (a *advisoryMode) claimNew(buf []offsets.Claimed, n int, token int64, due bool) ([]offsets.Claimed, uint64, error) {
+func (a *advisoryMode) claimNew(buf []offsets.Claimed, n int, token int64, due offsets.Due) ([]offsets.Claimed, uint64, error) {
 	sub := a.sub
 	start := len(buf)
 	out := buf
@@ -403,6 +405,12 @@ func (a *advisoryMode) await(d *delivery) {
 	}
 	sub.work.settling(d)
 	sub.settler.enqueue(d, op)
+	// The handler is done: its slot goes back now, so that a message claimed ahead goes to a
+	// handler while the settlement runs. The held token stays until the statement has run and
+	// the lock is dropped: the locks a subscription holds stay bounded by MaxInFlight plus
+	// what it claims ahead, and with MaxInFlight 1 (nothing claimed ahead) no claim is made
+	// before a nacked message is due again.
+	sub.work.freeSlot(d)
 }
 
 // beginSettle counts a settlement in flight, unless Shutdown released the locks.

@@ -184,7 +184,7 @@ func testSchemaVersionMismatchPostgres(t *testing.T) {
 			var verr *sqlbroker.SchemaVersionError
 			require.ErrorAs(t, err, &verr, "%s, InitializeSchema %v", name, initialize)
 			assert.Contains(t, err.Error(), `"sqlbroker schema v99"`)
-			assert.Contains(t, err.Error(), "v4")
+			assert.Contains(t, err.Error(), "v5")
 			assert.Contains(t, err.Error(), tables(topic).Messages)
 			require.NoError(t, pub.Close())
 		}

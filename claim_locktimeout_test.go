@@ -109,6 +109,19 @@ func (l *levelLogger) Trace(msg string, fields watermill.LogFields) {
 	l.log(watermill.TraceLogLevel, msg, nil, fields)
 }
 
+// at returns the text of every entry at level.
+func (l *levelLogger) at(level watermill.LogLevel) []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for _, e := range l.entries {
+		if e.level == level {
+			out = append(out, e.text)
+		}
+	}
+	return out
+}
+
 // With shares the entries: the subscriber logs through loggers made With its fields.
 func (l *levelLogger) With(fields watermill.LogFields) watermill.LoggerAdapter {
 	return &sharedLevelLogger{l, l.fields.Add(fields)}

@@ -58,7 +58,7 @@ func (c *claimer) run() {
 
 	buf := make([]offsets.Claimed, 0, sub.cfg.BatchSize)
 	idle := sub.cfg.PollInterval // the next pause when a claim finds nothing
-	due := dueState{again: true}
+	due := dueState{all: true}
 	passed := false // the last claim passed delayed messages
 	for {
 		// Room for at least one claim, then as many as are free, up to BatchSize.
@@ -70,8 +70,9 @@ func (c *claimer) run() {
 		now := time.Now()
 		var claimed []offsets.Claimed
 		var token int64
+		var from time.Time // the claims' leases count from then
 		var err error
-		withDue, ownDue, missed := false, false, false
+		withDue, ownDue, missed := offsets.DueNone, false, false
 		if sub.lookNeeded(now) { // else nothing changed since a claim found nothing (idlepark_sqlite.go)
 			sub.looking(now)
 			withDue, ownDue = c.wantDue(&due, now)
@@ -80,8 +81,8 @@ func (c *claimer) run() {
 				c.passRoom = passAfterPassing
 			}
 			c.passed.Store(0)
-			claimed, token, err = sub.mode.claim(buf[:0], n, withDue) // none when err != nil
-			due.claimed(withDue, now.Add(sub.cfg.PollInterval), claimed, n, err)
+			claimed, token, from, err = sub.mode.claim(buf[:0], n, withDue) // none when err != nil
+			due.claimed(withDue, now, sub.cfg.IdlePollInterval, claimed, n, err)
 			// The claim passed delayed messages: more of them, and messages to hand out behind
 			// them, may be waiting. The next claim runs at once, not after the idle pause, with
 			// room to pass many (passAfterPassing).
@@ -118,9 +119,12 @@ func (c *claimer) run() {
 				idle = firstRetryAfterWake
 			}
 			var goOn, woken bool
-			if withDue && !missed && c.park.entry != nil && idle >= min(sub.cfg.PollInterval, sub.cfg.IdlePollInterval) {
+			if withDue != offsets.DueNone && !missed && c.park.entry != nil && idle >= min(sub.cfg.PollInterval, sub.cfg.IdlePollInterval) {
 				// Nothing now, nothing due: sleep until told (idlepark.go).
 				goOn, woken = sub.park()
+				// Not woken by new messages: by the shared poll, which may have found a lease
+				// of another consumer that ran out, by a due time, or by the safety poll.
+				due.all = due.all || !woken
 			} else {
 				goOn, woken = c.wait(sub.untilDue(idle), true)
 			}
@@ -137,62 +141,121 @@ func (c *claimer) run() {
 		}
 		idle = sub.cfg.PollInterval
 		sub.s.stats.claimed.Add(int64(len(claimed)))
-		c.register(claimed, token, now)
+		c.register(claimed, token, from)
 	}
 }
 
-// wait sleeps for d, or until the topic is woken (a publisher of this process, or a NOTIFY
-// through the LISTEN connection), or the subscription stops. It reports whether to go on, and
-// whether it was woken.
+// wait sleeps for d, or until the subscription stops. A wakeable wait also ends when the
+// topic is woken (a publisher of this process, or a NOTIFY through the LISTEN connection), and
+// when a claim of the subscription comes due sooner than d (markDue: an applied ack of a group
+// ordered by key freed its key, a nack's backoff, a lost lease). It reports whether to go on,
+// and whether the topic was woken.
 func (c *claimer) wait(d time.Duration, wakeable bool) (goOn, woken bool) {
+	end := time.Now().Add(d)
 	t := time.NewTimer(d)
 	defer t.Stop()
-	var wakeCh <-chan struct{}
+	var wakeCh, dueCh <-chan struct{}
 	if wakeable {
-		wakeCh = c.woken
+		wakeCh, dueCh = c.woken, c.park.duePoke
 	}
-	select {
-	case <-t.C:
-		return true, false
-	case <-wakeCh:
-		return true, true
-	case <-c.sub.ctx.Done():
-		return false, false
+	for {
+		select {
+		case <-t.C:
+			return true, false
+		case <-wakeCh:
+			return true, true
+		case <-dueCh:
+			at := c.dueAt.first()
+			if at == 0 {
+				continue
+			}
+			until := time.Until(time.Unix(0, at))
+			if until <= 0 {
+				return true, false
+			}
+			if until < time.Until(end) {
+				t.Reset(until)
+			}
+		case <-c.sub.ctx.Done():
+			return false, false
+		}
 	}
 }
 
-// dueState tells the claim loop when its claims run the due step (offsets.Store.Claim), which
-// takes back claims whose lease ran out or whose nack backoff passed. Looking for them costs a
-// walk of the group's claims and of the index entries of every claim settled since the last
-// vacuum, so a subscription draining a backlog looks once per PollInterval (claims of other
-// consumers, whose times it cannot know), and at once when it knows better:
-//   - one of its own claims came due: a nack's backoff ended, a lease was lost, or the time
-//     of a delayed message it passed came (dueAt);
-//   - its last claim failed, was short (the backlog ran out, or in the advisory mode a lock
-//     was taken elsewhere and the claim left due for a later round), or took claims again:
-//     there may be more.
+// dueState tells the claim loop which claims due again its claims take back first
+// (offsets.Due). There are three looks:
+//   - at the claims no one holds (offsets.DueGivenBack): nacked or released, delayed messages
+//     whose time came, in the advisory mode claims left for a later round. On PostgreSQL they
+//     are a range of the claims table's key of their own (negative tokens), which the claims
+//     held and settled never enter, so the look costs little however long vacuum has been
+//     held back. A claim makes it when there may be such claims: its last claim was short
+//     (the backlog ran out, or in the advisory mode a lock was taken elsewhere and the claim
+//     left due for a later round) or took claims again.
+//   - at those and at the held claims whose lease ran out: a subscription makes it once per
+//     IdlePollInterval, as the shared poll of idle subscriptions looks for them (leases of
+//     other consumers, whose times it cannot know), and at once when it knows better: one of
+//     its own claims came due (a nack's backoff ended, a lease was lost, or the time of a
+//     delayed message it passed came: dueAt), its last claim failed, or the last such look
+//     was filled with claims taken again (there may be more). It reads the leases that ran
+//     out within offsets.RecentWindow only (offsets.DueRecent), through an index of their
+//     deadlines, so its cost does not grow with the claims settled while vacuum is held back,
+//     when the subscription's looks leave no gap: its last look that left nothing behind
+//     began less than half that window ago (covered), so every lease that ran out since has
+//     its deadline in the window. Otherwise, and every fullLookPolls IdlePollIntervals, it
+//     reads every claim of the group (offsets.DueAll): the first look of a subscription, a
+//     look after a claim that waited for seconds, and a lease that another claimer's look
+//     locked, skipped by this one, and left when its statement failed.
 //
 // With MaxInFlight 1 a nacked message is thus claimed again by the first claim after its
 // backoff, ahead of new messages (M3).
 type dueState struct {
-	next  time.Time // the next periodic look
-	again bool      // look at the next claim
+	next    time.Time // the next periodic look at leases that ran out
+	fullAt  time.Time // the next periodic look at every claim
+	covered time.Time // when the last look at leases that ran out that left none behind began
+	again   bool      // the next claim looks at the claims given back at least
+	all     bool      // the next claim looks at leases that ran out
+	full    bool      // that look reads every claim: the last one that did was filled, or failed
 }
 
-// wantDue says whether the claim made at now runs the due step, and takes the subscription's
-// own due times that have come; own says whether there were any.
-func (c *claimer) wantDue(st *dueState, now time.Time) (want, own bool) {
+// fullLookPolls is how many IdlePollIntervals apart a subscription's looks at every claim of
+// its group are, at most.
+const fullLookPolls = 30
+
+// wantDue says which claims due again the claim made at now takes back, and takes the
+// subscription's own due times that have come; own says whether there were any.
+func (c *claimer) wantDue(st *dueState, now time.Time) (due offsets.Due, own bool) {
 	own = c.dueAt.take(now.UnixNano())
-	return own || st.again || !now.Before(st.next), own
+	switch {
+	case own || st.all || !now.Before(st.next):
+		if st.full || st.covered.IsZero() || now.Sub(st.covered) >= offsets.RecentWindow/2 || !now.Before(st.fullAt) {
+			return offsets.DueAll, own
+		}
+		return offsets.DueRecent, own
+	case st.again:
+		return offsets.DueGivenBack, own
+	}
+	return offsets.DueNone, own
 }
 
-// claimed records the outcome of a claim of up to n messages; next is the periodic look after
-// one that ran the due step.
-func (st *dueState) claimed(withDue bool, next time.Time, cs []offsets.Claimed, n int, err error) {
-	if withDue {
-		st.next = next
+// claimed records the outcome of a claim of up to n messages that looked at due, made at at;
+// poll is the IdlePollInterval, between periodic looks at leases that ran out.
+func (st *dueState) claimed(due offsets.Due, at time.Time, poll time.Duration, cs []offsets.Claimed, n int, err error) {
+	again := len(cs) > 0 && cs[0].Again // taken again come first
+	// A look filled with claims taken again may have left more.
+	filled := again && len(cs) == n
+	lost := due == offsets.DueAll || due == offsets.DueRecent
+	if lost {
+		st.next = at.Add(poll)
+		if err == nil && !filled {
+			st.covered = at
+		}
+		if due == offsets.DueAll && err == nil {
+			st.fullAt = at.Add(fullLookPolls * poll)
+		}
 	}
-	st.again = err != nil || len(cs) < n || (len(cs) > 0 && cs[0].Again) // taken again come first
+	st.full = due == offsets.DueAll && (filled || err != nil)
+	st.all = err != nil || lost && filled
+	st.again = st.all || len(cs) < n || again
 }
 
 // markDue notes that a claim of this subscription is due again from t on.
@@ -235,14 +298,11 @@ func (c *claimer) gather() int {
 const claimTimeout = time.Minute
 
 // register puts claimed messages in the work set and queues them for the hand-out loop; the
-// queue holds every held token, so this never blocks.
-func (c *claimer) register(claimed []offsets.Claimed, token int64, sent time.Time) {
+// queue holds every held token, so this never blocks. from is when the claims' leases began
+// at the latest, locally (claimMode.claim): the local deadline never outlives the database's.
+func (c *claimer) register(claimed []offsets.Claimed, token int64, from time.Time) {
 	sub := c.sub
-	// The database counts the lease from when it wrote the claim, which is after sent (the
-	// statement may have waited on a lock): counted from sent, the local deadline never
-	// outlives the database's. A claim that waited longer than the lease arrives with its
-	// local deadline passed; its first extension moves both.
-	deadline := sent.Add(sub.cfg.LeaseTTL)
+	deadline := from.Add(sub.cfg.LeaseTTL)
 	ds := make([]*delivery, len(claimed))
 	for i, cl := range claimed {
 		ds[i] = sub.newDelivery(cl, token, deadline)

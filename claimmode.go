@@ -2,6 +2,7 @@ package sqlbroker
 
 import (
 	"context"
+	"time"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 )
@@ -11,8 +12,9 @@ import (
 // claim loop, the hand-out loop, the settler and Shutdown are written once above it.
 type claimMode interface {
 	// claim takes up to n messages under a new token (see claimer.claim), running the due step
-	// when due says so.
-	claim(buf []offsets.Claimed, n int, due bool) (claimed []offsets.Claimed, token int64, err error)
+	// when due says so. from is the local time the claims' leases count from: never later
+	// than the database counted them.
+	claim(buf []offsets.Claimed, n int, due offsets.Due) (claimed []offsets.Claimed, token int64, from time.Time, err error)
 	// registered is told of the deliveries of a claim once they are in the work set.
 	registered(ds []*delivery)
 	// release gives back, as the subscription stops, claims that never reached a handler; they

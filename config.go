@@ -247,8 +247,8 @@ type SubscriberConfig struct {
 	// key, run in parallel up to MaxInFlight. A nack, a lost lease or a delayed message holds
 	// its key's later messages back until it is settled, so a message that keeps failing
 	// blocks its key until MaxAttempts moves it to the dead-letter topic. Every subscriber of
-	// a group must set it alike. The lease mode on PostgreSQL only; see the README's
-	// "Ordering".
+	// a group must set it alike. The lease mode only, on PostgreSQL and SQLite; see the
+	// README's "Ordering".
 	OrderByKey bool
 
 	// BatchSize bounds the messages claimed in one round trip; with MaxInFlight above 1 it is
@@ -258,10 +258,12 @@ type SubscriberConfig struct {
 	BatchSize int
 
 	// PollInterval is, while a subscription finds messages, how often it also looks for
-	// claims due again that it cannot know of (leases of other consumers that ran out, claims
-	// they released, in the advisory mode claims whose consumer is gone); and, while the pool
-	// cannot deliver notifications (database/sql, or pgx while its LISTEN connection is down),
-	// how often the process looks for work for its idle subscriptions. That look is one
+	// claims due again that it cannot know of (claims other consumers released, in the
+	// advisory mode claims whose consumer is gone; leases of other consumers that ran out are
+	// looked for every IdlePollInterval, as that look reads every claim of the group); and,
+	// while the pool cannot deliver notifications (database/sql, or pgx while its LISTEN
+	// connection is down), how often the process looks for work for its idle subscriptions.
+	// That look is one
 	// statement per pool for up to 64 idle subscriptions, not one per subscription: a service
 	// with 50 handlers on database/sql pays 10 statements a second at the default, whatever
 	// the number of handlers up to 64, and a message published elsewhere reaches it within
@@ -270,7 +272,8 @@ type SubscriberConfig struct {
 	// Defaults to DefaultPollInterval.
 	PollInterval time.Duration
 
-	// IdlePollInterval is how often, while the pool's LISTEN connection delivers
+	// IdlePollInterval is how often a busy subscription looks for leases of other consumers
+	// that ran out, and how often, while the pool's LISTEN connection delivers
 	// notifications (pgx), the process looks for work its idle subscriptions are not told of:
 	// a lease of another consumer that ran out, a message the xmin horizon held back when its
 	// notification came, in the advisory mode a claim whose consumer is gone, a message written

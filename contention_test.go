@@ -81,16 +81,20 @@ func TestSubscriber_L3_ackRacingExtensionIsApplied(t *testing.T) {
 }
 
 // A claim that waited on a table lock longer than the lease (a migration's LOCK TABLE) writes
-// a lease counted from when it wrote the claim, not from when the statement began: the
-// group's other consumer does not take the message again while its handler works, and the
-// message is handled once (C1, L1).
+// a lease counted from when it wrote the claim, not from when the statement began, and the
+// subscriber confirms it by an extension as the claim returns: the claim that waited hands
+// the message out (attempt 1), the group's other consumer does not take the message again
+// while its handler works, and the message is handled once (C1, L1).
 func TestSubscriber_C1_claimBlockedLongerThanLeaseKeepsItsLease(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
 	pool := testdb.Pgx(t)
 	pub := newPublisher(t, pgxDB(t))
-	cfg := sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: time.Second, LeaseRenewInterval: 300 * time.Millisecond,
+	// The lease is short, for the lock to outlast it, but leaves a loaded machine (a race
+	// build, the package's other tests in parallel) more than a second of failed extensions.
+	const lease = 2 * time.Second
+	cfg := sqlbroker.SubscriberConfig{ConsumerGroup: "g", LeaseTTL: lease, LeaseRenewInterval: 300 * time.Millisecond,
 		PollInterval: 50 * time.Millisecond}
 	var outs []<-chan *message.Message
 	for range 2 {
@@ -109,7 +113,7 @@ func TestSubscriber_C1_claimBlockedLongerThanLeaseKeepsItsLease(t *testing.T) {
 	testdb.Eventually(t, 10*time.Second, "a claim waiting on the table lock", func() bool {
 		return queryInt(t, "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = $1::regclass", tables(topic).Claims) > 0
 	})
-	time.Sleep(2 * time.Second) // longer than the lease: what is tested is the wait
+	time.Sleep(lease + time.Second) // longer than the lease: what is tested is the wait
 	require.NoError(t, tx.Commit(ctx))
 
 	var mu sync.Mutex
@@ -140,7 +144,7 @@ func TestSubscriber_C1_claimBlockedLongerThanLeaseKeepsItsLease(t *testing.T) {
 		defer mu.Unlock()
 		return len(got) > 0
 	})
-	time.Sleep(2 * time.Second) // the handler works past the lease; it is extended meanwhile
+	time.Sleep(lease + time.Second) // the handler works past the lease; it is extended meanwhile
 	close(done)
 	wg.Wait()
 	for _, m := range got {
@@ -148,6 +152,7 @@ func TestSubscriber_C1_claimBlockedLongerThanLeaseKeepsItsLease(t *testing.T) {
 	}
 	t.Logf("claims: %v", claimedPG(t, tables(topic).Claims, "visible_at < now()"))
 	require.Len(t, got, 1, "the message was taken again while its handler worked")
+	assert.Equal(t, "1", got[0].Metadata.Get(sqlbroker.MetadataAttempt), "the claim that waited on the lock handed the message out")
 	got[0].Ack()
 	testdb.Eventually(t, 10*time.Second, "the ack applied", func() bool {
 		return claimedPG(t, tables(topic).Claims, "true") == 0

@@ -41,7 +41,6 @@ type delivery struct {
 	cancel   context.CancelCauseFunc
 	gen      uint64 // advisory mode: generation of the lock connection that took its lock
 	sub      *subscription
-	gone     chan struct{} // closed when it leaves the work set
 
 	mu        sync.Mutex
 	deadline  time.Time // local lease deadline
@@ -68,6 +67,38 @@ type workSet struct {
 	held     chan struct{} // one token a claim held: in a handler, queued for one, or settling
 	prefetch int           // claims held beyond MaxInFlight, ready for the next free slot
 	msgCtx   context.Context
+
+	// Waits on the set as a whole, so that no delivery carries a channel of its own: lost
+	// fires when a delivery is lost (the hand-out's wait for a handler ends on it), left when
+	// deliveries leave the set (Shutdown's wait for settlements ends on it).
+	lost, left broadcast
+}
+
+// broadcast wakes whoever waits for an event that many may wait for and that happens often:
+// its channel is made only when someone waits, and closed at the next event.
+type broadcast struct {
+	mu sync.Mutex
+	ch chan struct{}
+}
+
+// wait returns a channel closed at the next fire. Take it before checking the condition it
+// waits for, so that an event between the check and the wait is not missed.
+func (b *broadcast) wait() <-chan struct{} {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.ch == nil {
+		b.ch = make(chan struct{})
+	}
+	return b.ch
+}
+
+func (b *broadcast) fire() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.ch != nil {
+		close(b.ch)
+		b.ch = nil
+	}
 }
 
 func newWorkSet(cfg *SubscriberConfig, msgCtx context.Context) *workSet {
@@ -162,11 +193,13 @@ func (w *workSet) settling(d *delivery) {
 // set is not lost.
 func (w *workSet) lose(d *delivery) bool {
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	if d.state == stateLost || d.state == stateDone {
+		d.mu.Unlock()
 		return false
 	}
 	d.state = stateLost
+	d.mu.Unlock()
+	w.lost.fire()
 	return true
 }
 
@@ -224,13 +257,9 @@ func (w *workSet) removeAll(ds []*delivery, cause error) {
 		if d.state != stateLost {
 			d.state = stateDone // a lost one stays lost: AckInTx tells its handler so
 		}
-		select {
-		case <-d.gone:
-		default:
-			close(d.gone)
-		}
 		d.mu.Unlock()
 	}
+	w.left.fire()
 }
 
 // all returns the deliveries in the set.
@@ -327,7 +356,7 @@ func (sub *subscription) newDelivery(c offsets.Claimed, token int64, deadline ti
 	msg.Metadata.Set(MetadataOffset, strconv.FormatInt(c.Offset, 10))
 	ctx, cancel := context.WithCancelCause(sub.work.msgCtx)
 	d := &delivery{offset: c.Offset, token: token, attempts: c.Attempts, msg: msg, cancel: cancel,
-		deadline: deadline, sub: sub, gone: make(chan struct{}), state: stateQueued}
+		deadline: deadline, sub: sub, state: stateQueued}
 	msg.SetContext(context.WithValue(ctx, deliveryKey{}, d))
 	return d
 }

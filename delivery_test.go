@@ -14,7 +14,7 @@ import (
 func testDelivery(offset int64) *delivery {
 	_, cancel := context.WithCancelCause(context.Background())
 	return &delivery{offset: offset, msg: message.NewMessage(watermill.NewUUID(), nil), cancel: cancel,
-		gone: make(chan struct{}), state: stateQueued, deadline: time.Now().Add(time.Minute)}
+		state: stateQueued, deadline: time.Now().Add(time.Minute)}
 }
 
 // The work set gives back each handler slot and held token exactly once, whatever the order
@@ -27,6 +27,7 @@ func TestWorkSet_M5_slotsAndTokensGivenBackOnce(t *testing.T) {
 	ctx := context.Background()
 
 	acked, lost := testDelivery(1), testDelivery(2)
+	left, lostOne := w.left.wait(), w.lost.wait()
 	require.True(t, w.takeToken(ctx))
 	require.True(t, w.tryToken())
 	w.add([]*delivery{acked, lost})
@@ -49,21 +50,35 @@ func TestWorkSet_M5_slotsAndTokensGivenBackOnce(t *testing.T) {
 	assert.Equal(t, stateDone, acked.state)
 	assert.False(t, w.lose(acked), "a delivery out of the set is not lost")
 
+	select {
+	case <-left:
+	default:
+		t.Fatal("a removal did not wake those waiting for deliveries to leave the set")
+	}
+	select {
+	case <-lostOne:
+		t.Fatal("a removal woke those waiting for a loss")
+	default:
+	}
 	assert.True(t, w.lose(lost))
+	select {
+	case <-lostOne:
+	default:
+		t.Fatal("a loss did not wake those waiting for one")
+	}
+	lostOne = w.lost.wait()
 	assert.False(t, w.lose(lost), "lost once")
+	select {
+	case <-lostOne:
+		t.Fatal("a delivery lost twice woke those waiting for a loss twice")
+	default:
+	}
 	w.settling(lost)
 	assert.Equal(t, stateLost, lost.state, "a lost delivery's settlement does not make it settling")
 	w.remove(lost, context.Canceled)
 	assert.Equal(t, 0, len(w.held))
 	assert.Equal(t, stateLost, lost.state, "a lost delivery stays lost once removed")
 	assert.Zero(t, w.len())
-	for _, d := range []*delivery{acked, lost} {
-		select {
-		case <-d.gone:
-		default:
-			t.Fatalf("delivery %d did not signal that it left the work set", d.offset)
-		}
-	}
 }
 
 // A claim held ahead whose local deadline passed is lost before it is handed out when the

@@ -59,8 +59,9 @@ func (h *handout) run() {
 // (the process was frozen, extensions failed) may be another consumer's already: it is lost,
 // not handed out, whether the deadline passed before the send or while it waited for a
 // handler. The deadline is read again right before each attempt, and the wait ends when it
-// passes (expire, a timer of the caller's, is armed for it) or when d is lost otherwise (its
-// context ends).
+// passes (expire, a timer of the caller's, is armed for it) or when a delivery of the work
+// set is lost otherwise (its extension refused, its lock gone with its connection), after
+// which d is checked again.
 func (h *handout) send(d *delivery, expire *time.Timer) (handed, stop bool) {
 	sub := h.sub
 	expires := sub.mode.expires()
@@ -79,6 +80,10 @@ func (h *handout) send(d *delivery, expire *time.Timer) (handed, stop bool) {
 			return true, false
 		default:
 		}
+		lostOne := sub.work.lost.wait()
+		if d.isLost() { // lost after the check above, before the wait was taken
+			return false, false
+		}
 		var expired <-chan time.Time
 		if expires {
 			expire.Reset(time.Until(deadline))
@@ -90,11 +95,10 @@ func (h *handout) send(d *delivery, expire *time.Timer) (handed, stop bool) {
 			return true, false
 		case <-expired:
 			// Checked again above: an extension may have moved the deadline meanwhile.
-		case <-d.msg.Context().Done():
-			// Lost (its extension refused, its lock gone with its connection): nothing is
-			// handed a message whose context ended.
+		case <-lostOne:
+			// Some delivery was lost: checked again above. Nothing is handed a message
+			// whose claim is known to be gone.
 			expire.Stop()
-			return false, false
 		case <-sub.ctx.Done():
 			expire.Stop()
 			return false, true

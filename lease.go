@@ -65,12 +65,13 @@ func (l *leaseMode) leasesLeft() int {
 // while it waits for a connection of an exhausted pool), the server is asked to cancel that
 // very statement, and the claim returns only once the server has ended it and rolled it back
 // (S3, S11).
-func (l *leaseMode) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Claimed, int64, error) {
+func (l *leaseMode) claim(buf []offsets.Claimed, n int, due offsets.Due) ([]offsets.Claimed, int64, time.Time, error) {
 	sub := l.sub
 	token := rand.Int64N(1<<62) + 1
 	if sub.ctx.Err() != nil {
-		return nil, 0, sub.ctx.Err()
+		return nil, 0, time.Time{}, sub.ctx.Err()
 	}
+	sent := time.Now()
 	var pid uint32
 	claimed := buf
 	err := sub.s.tracker.RunConn(sub.ctx, stmtClaim, claimTimeout, func(ctx context.Context, conn dbx.Conn) error {
@@ -94,7 +95,61 @@ func (l *leaseMode) claim(buf []offsets.Claimed, n int, due bool) ([]offsets.Cla
 		} // else the server ended the statement and rolled it back: its claims never were
 		claimed = claimed[:0]
 	}
-	return claimed, token, err
+	if err == nil && len(claimed) > 0 && time.Since(sent) >= sub.cfg.LeaseTTL/2 {
+		claimed, sent = l.confirm(claimed, token, sent)
+	}
+	return claimed, token, sent, err
+}
+
+// confirm extends at once the claims of a claim statement that took half a lease or more to
+// return: it waited on a lock (a migration's LOCK TABLE), on a slow server, or the process was
+// frozen. The database counts their lease from when it wrote them, which may be long after
+// the statement was sent; counted from then, the local deadline would leave too little time to
+// hand them out, or be past, and they would be dropped while the database still holds them
+// for this claim. The extension, fenced by the claim's token, asks the database: the claims it
+// extends are held for a lease counted from when it was sent; the ones it does not are
+// another consumer's already and are dropped here. If the extension fails, the claims keep
+// the deadline counted from the claim's sending, and the hand-out drops those whose deadline
+// passed.
+func (l *leaseMode) confirm(cs []offsets.Claimed, token int64, sent time.Time) ([]offsets.Claimed, time.Time) {
+	sub := l.sub
+	at := time.Now()
+	done, err := l.extendRows(offsets.Fence(cs, token), 0)
+	if err != nil {
+		if !sub.stopping() {
+			sub.s.stats.errors.Add(1)
+			sub.logger.Error("Extending the leases of a slow claim failed", err, watermill.LogFields{"count": len(cs)})
+		}
+		return cs, sent
+	}
+	kept := cs[:0]
+	for _, c := range cs {
+		if done[c.Offset] {
+			kept = append(kept, c)
+			continue
+		}
+		sub.s.stats.leasesLost.Add(1)
+		sub.logger.Info("Lease of a slow claim ran out before it returned; the message is another consumer's", sub.fields(c.Offset))
+	}
+	return kept, at
+}
+
+// extendRows extends the leases of fs and returns the offsets extended. The statement is
+// bounded by LeaseRenewInterval from the moment it has a connection; it waits for one that
+// long, or up to wait if longer. A pool busy with other work (handlers sharing it, claims
+// and settlements queued) hands connections out in turn: a wait given up at each renew
+// interval and begun again would go to the back of the line each time, and leases could run
+// out while the pool served everyone else.
+func (l *leaseMode) extendRows(fs []offsets.Fenced, wait time.Duration) (map[int64]bool, error) {
+	sub := l.sub
+	var done map[int64]bool
+	renew := sub.cfg.LeaseRenewInterval
+	err := sub.s.tracker.RunWaiting(context.WithoutCancel(sub.ctx), stmtExtend, max(wait, renew), renew, func(ctx context.Context, q dbx.Querier) error {
+		var err error
+		done, err = sub.store.Extend(ctx, q, sub.groupID, fs, sub.cfg.LeaseTTL)
+		return err
+	})
+	return done, err
 }
 
 // orderedPass is how many messages an ordered claim may pass besides its room: those it
@@ -245,7 +300,8 @@ func (l *leaseMode) giveUp(sts []settlement) {
 // locally, is lost: the message's context is cancelled so the handler can stop (L4). An
 // extension that cannot run (blocked on a table lock, a slow server) is cancelled on the
 // server once LeaseRenewInterval has passed and tried again at the next tick; when the
-// lease's deadline passes meanwhile, the lease is lost.
+// lease's deadline passes meanwhile, the lease is lost. One that waits for a connection of a
+// busy pool keeps waiting, as long as the first lease it extends allows.
 func (l *leaseMode) run() {
 	sub := l.sub
 	t := time.NewTicker(sub.cfg.LeaseRenewInterval)
@@ -279,21 +335,23 @@ func (l *leaseMode) extendOnce() {
 	fs := make([]offsets.Fenced, 0, len(ds))
 	live := ds[:0]
 	now := time.Now()
+	var first time.Time // the earliest local deadline of those extended
 	for _, d := range ds {
 		d.mu.Lock()
 		ok := d.state != stateLost && !d.ackedInTx // a claim acked in a transaction is locked by it until it ends
+		if ok && (first.IsZero() || d.deadline.Before(first)) {
+			first = d.deadline
+		}
 		d.mu.Unlock()
 		if ok {
 			fs = append(fs, offsets.Fenced{Offset: d.offset, Token: d.token})
 			live = append(live, d)
 		}
 	}
-	var done map[int64]bool
-	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtExtend, sub.cfg.LeaseRenewInterval, func(ctx context.Context, q dbx.Querier) error {
-		var err error
-		done, err = sub.store.Extend(ctx, q, sub.groupID, fs, sub.cfg.LeaseTTL)
-		return err
-	})
+	// Wait for a connection until the statement could still end, within its own limit, before
+	// the first deadline: the leases are no worse off than after failed tries, and the wait
+	// keeps its place in the pool's line.
+	done, err := l.extendRows(fs, time.Until(first)-sub.cfg.LeaseRenewInterval)
 	if err != nil && sub.stopping() {
 		return // Shutdown stopped it: the leases are left to run out
 	}

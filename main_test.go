@@ -6,4 +6,4 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) { testdb.Main(m, closeTakeAwayPool) }

@@ -64,6 +64,36 @@ func queryString(t *testing.T, sql string, args ...any) string {
 	return s
 }
 
+// refusedSchema subscribes to topic as group g without InitializeSchema, requires a
+// SchemaVersionError, and returns its text.
+func refusedSchema(t *testing.T, db sqlbroker.DB, topic string) string {
+	t.Helper()
+	plain, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "g"}, nil)
+	require.NoError(t, err)
+	defer plain.Close()
+	_, err = plain.Subscribe(context.Background(), topic)
+	var verr *sqlbroker.SchemaVersionError
+	require.ErrorAs(t, err, &verr)
+	return err.Error()
+}
+
+// claimLeftInWork publishes a, b and c to topic; a subscriber of group g (LeaseTTL 1 s) acks a,
+// leaves b claimed and not settled, and shuts down. It returns b, whose lease runs out a second
+// later.
+func claimLeftInWork(t *testing.T, pub message.Publisher, topic string) *message.Message {
+	t.Helper()
+	ctx := context.Background()
+	publish(t, pub, topic, "a", "b", "c")
+	first := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond, LeaseTTL: time.Second})
+	msgs, err := first.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	receive(t, msgs, 10*time.Second).Ack()
+	held := receive(t, msgs, 10*time.Second)
+	_, err = first.Shutdown(ctx)
+	require.NoError(t, err)
+	return held
+}
+
 // A messages table of schema version 3 (one plain table) becomes the first partition of the
 // partitioned table under InitializeSchema: its messages, the group's position and its
 // claims stay; new messages get offsets after every offset it handed out (a rolled-back
@@ -75,14 +105,7 @@ func TestSchema_version3MessagesPartitioned(t *testing.T) {
 	topic := testdb.Topic(t, "")
 	tb := tables(topic)
 	pub := newPublisher(t, pgxDB(t))
-	publish(t, pub, topic, "a", "b", "c")
-	first := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond, LeaseTTL: time.Second})
-	msgs, err := first.Subscribe(ctx, topic)
-	require.NoError(t, err)
-	receive(t, msgs, 10*time.Second).Ack()
-	held := receive(t, msgs, 10*time.Second) // claimed, not settled
-	_, err = first.Shutdown(ctx)
-	require.NoError(t, err)
+	held := claimLeftInWork(t, pub, topic)
 	plainMessages(t, topic, 3)
 	pool := testdb.Pgx(t)
 	tx, err := pool.Begin(ctx)
@@ -92,16 +115,10 @@ func TestSchema_version3MessagesPartitioned(t *testing.T) {
 	require.NoError(t, tx.Rollback(ctx))
 	highest := queryInt(t, `SELECT max("offset") FROM `+tb.Messages)
 
-	plain, err := sqlbroker.NewSubscriber(pgxDB(t), sqlbroker.SubscriberConfig{ConsumerGroup: "g"}, nil)
-	require.NoError(t, err)
-	defer plain.Close()
-	_, err = plain.Subscribe(ctx, topic)
-	var verr *sqlbroker.SchemaVersionError
-	require.ErrorAs(t, err, &verr)
-	assert.Contains(t, err.Error(), "stop the consumers and publishers of the older library")
+	assert.Contains(t, refusedSchema(t, pgxDB(t), topic), "stop the consumers and publishers of the older library")
 
 	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond, LeaseTTL: time.Second})
-	msgs, err = sub.Subscribe(ctx, topic)
+	msgs, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	assert.Equal(t, "p", queryString(t, `SELECT relkind::text FROM pg_class WHERE oid = $1::regclass`, tb.Messages))
 	assert.Equal(t, fmt.Sprintf("FOR VALUES FROM (MINVALUE) TO ('%d')", highest+2),
@@ -128,6 +145,37 @@ func TestSchema_version3MessagesPartitioned(t *testing.T) {
 		return queryInt(t, `SELECT count(*) FROM pg_class WHERE relname = $1`, tb.PartitionName(0)) == 0
 	})
 	assert.Equal(t, 1, countMessages(t, topic), "d stays: its partition is not full")
+}
+
+// Tables of schema version 4 lack the claims table's index of lease deadlines: without
+// InitializeSchema, Subscribe says how to upgrade them; with it, the index is built and the
+// version written, the messages, the group's position and a claim in work kept: the claim,
+// whose lease ran out, is delivered again.
+func TestSchema_version4ClaimsLeaseIndexAdded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	tb := tables(topic)
+	index := ident.TableName("sqlbroker_", topic, "_c_lease")
+	pub := newPublisher(t, pgxDB(t))
+	held := claimLeftInWork(t, pub, topic)
+	_, err := testdb.Pgx(t).Exec(ctx, `DROP INDEX `+ident.Quote(index)+`; COMMENT ON TABLE `+tb.Messages+` IS 'sqlbroker schema v4'`)
+	require.NoError(t, err)
+
+	assert.Contains(t, refusedSchema(t, pgxDB(t), topic), "set InitializeSchema: true")
+
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 20 * time.Millisecond})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	assert.Contains(t, queryString(t, `SELECT indexdef FROM pg_indexes WHERE indexname = $1`, index), "WHEN (token > 0) THEN visible_at")
+	assert.Equal(t, "sqlbroker schema v5", queryString(t, `SELECT obj_description($1::regclass, 'pg_class')`, tb.Messages))
+	got := map[string]string{}
+	for range 2 {
+		m := receive(t, msgs, 10*time.Second)
+		got[string(m.Payload)] = m.Metadata.Get(sqlbroker.MetadataAttempt)
+		m.Ack()
+	}
+	assert.Equal(t, map[string]string{string(held.Payload): "2", "c": "1"}, got)
 }
 
 // Publishing never fails because no maintenance added partitions: with no subscriber

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -77,9 +78,17 @@ func groupBehindLock(t *testing.T, pub *sqlbroker.Publisher, topic string, msgs 
 	waitQueued(t, pub, topic, len(msgs))
 	release()
 	require.NoError(t, result(t, leader))
+	// The queued calls run one statement after another in the order they were queued, which
+	// is not their index order: wait for them together, allowing each its share of the time
+	// (a 63 MiB statement takes seconds under the race detector).
+	deadline := time.After(15*time.Second + time.Duration(len(msgs))*10*time.Second)
 	errs := make([]error, len(msgs))
 	for i, ch := range chs {
-		errs[i] = result(t, ch)
+		select {
+		case errs[i] = <-ch:
+		case <-deadline:
+			t.Fatalf("Publish did not return: call %d of %d still waiting", i, len(msgs))
+		}
 	}
 	return errs
 }

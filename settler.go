@@ -172,12 +172,12 @@ func (st *settler) giveUp(sts []settlement) {
 // settlement being done: each such delivery leaves the work set once it is.
 func (st *settler) drain(ctx context.Context) error {
 	for {
-		d := st.sub.work.settledByHandler()
-		if d == nil {
+		left := st.sub.work.left.wait()
+		if st.sub.work.settledByHandler() == nil {
 			return nil
 		}
 		select {
-		case <-d.gone:
+		case <-left:
 		case <-ctx.Done():
 			return ctx.Err()
 		}

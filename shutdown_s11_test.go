@@ -85,13 +85,7 @@ func ownPool(t *testing.T, driver string, maxConns int) (sqlbroker.DB, string, f
 	app := "sqlbroker_" + strings.ToLower(watermill.NewShortUUID())
 	switch driver {
 	case "pgx":
-		cfg, err := pgxpool.ParseConfig(testdb.URL())
-		require.NoError(t, err)
-		cfg.ConnConfig.RuntimeParams["application_name"] = app
-		cfg.MaxConns = int32(maxConns)
-		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool := ownPgxPool(t, app, maxConns)
 		hold := func() func() {
 			c, err := pool.Acquire(context.Background())
 			require.NoError(t, err)
@@ -115,6 +109,22 @@ func ownPool(t *testing.T, driver string, maxConns int) (sqlbroker.DB, string, f
 		}
 		return sqlbroker.StdSQL(db), app, hold
 	}
+}
+
+// ownPgxPool builds a pgx pool of the test's own, bounded at maxConns, whose backends carry
+// application_name app (none: the server's default), closed when the test ends.
+func ownPgxPool(t *testing.T, app string, maxConns int) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(testdb.URL())
+	require.NoError(t, err)
+	if app != "" {
+		cfg.ConnConfig.RuntimeParams["application_name"] = app
+	}
+	cfg.MaxConns = int32(maxConns)
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
 }
 
 // tableLocks counts the locks held or awaited by backends of app on the topic's tables.

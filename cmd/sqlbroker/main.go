@@ -523,6 +523,8 @@ func (o output) inspection(ins sqlbroker.Inspection) error {
 					what = fmt.Sprintf("advisory lock held by pid %d", c.HolderPID)
 				case c.Advisory:
 					what = "advisory, no lock held: its consumer is gone"
+				case c.Parked:
+					what = "parked behind an earlier message of its key"
 				case c.Waiting && c.Deadline.After(now):
 					what = "nacked, due again in " + dur(c.Deadline.Sub(now))
 				case c.Waiting:

@@ -36,7 +36,7 @@ var (
 	Postgres = Dialect{Name: "PostgreSQL", Notify: true, OrderedClaims: true, AdvisoryLocks: true, Schemas: true, BackendPIDs: true, Copy: true, StatementTimeouts: true, MaxParams: 65535}
 	// SQLite is SQLite through modernc.org/sqlite, whose SQLITE_MAX_VARIABLE_NUMBER is the
 	// default 32766.
-	SQLite = Dialect{Name: "SQLite", InProcess: true, MaxParams: 32766}
+	SQLite = Dialect{Name: "SQLite", OrderedClaims: true, InProcess: true, MaxParams: 32766}
 )
 
 // dialected is a pool, connection or transaction that says its dialect.

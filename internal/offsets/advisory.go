@@ -38,13 +38,13 @@ import (
 // locks that connection already holds. It returns the claimed messages: those whose lock it
 // took. If it fails, locks it took before failing stay with the session: close the connection.
 // With due false it claims new messages only, as Claim does.
-func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit int, key1 int32, skip []int64, due bool, out []Claimed) ([]Claimed, error) {
+func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit int, key1 int32, skip []int64, due Due, out []Claimed) ([]Claimed, error) {
 	return s.ClaimLockedPassing(ctx, q, groupID, token, limit, 0, key1, skip, due, out)
 }
 
 // ClaimLockedPassing is ClaimLocked that passes up to pass delayed messages besides the limit
 // it may claim, as ClaimPassing does.
-func (s *Store) ClaimLockedPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due bool, out []Claimed) ([]Claimed, error) {
+func (s *Store) ClaimLockedPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due Due, out []Claimed) ([]Claimed, error) {
 	return s.db.claimLocked(ctx, q, groupID, token, limit, pass, key1, skip, due, out)
 }
 

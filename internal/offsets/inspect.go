@@ -229,6 +229,9 @@ type ClaimRow struct {
 	Token    int64
 	// Advisory says the claim is held by an advisory lock (it has no deadline).
 	Advisory bool
+	// Parked says the message waits behind an earlier message of its key (it has no
+	// deadline).
+	Parked bool
 	// In is the time in seconds until the lease deadline or the end of the backoff;
 	// negative when it has passed. 0 for an advisory claim.
 	In float64
@@ -248,7 +251,7 @@ func (t Tables) ListClaims(ctx context.Context, q dbx.Querier, limit int) ([]Cla
 	var out []ClaimRow
 	for rows.Next() {
 		var c ClaimRow
-		if err := rows.Scan(&c.Group, &c.Offset, &c.Attempts, &c.Token, &c.Advisory, &c.In); err != nil {
+		if err := rows.Scan(&c.Group, &c.Offset, &c.Attempts, &c.Token, &c.Advisory, &c.Parked, &c.In); err != nil {
 			return nil, err
 		}
 		out = append(out, c)

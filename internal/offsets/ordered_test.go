@@ -2,21 +2,54 @@ package offsets_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"testing"
 	"time"
 
+	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
+
+// orderedDB is a database with the tables of a topic of its own, for the ordered claims:
+// PostgreSQL or a SQLite file.
+type orderedDB interface {
+	dbx.Querier
+	dbx.Beginner
+}
+
+func orderedTables(t *testing.T, ctx context.Context, name string) (offsets.Tables, orderedDB) {
+	if name == "postgres" {
+		tables, _, db := createTables(t, ctx)
+		return tables, db
+	}
+	raw, err := sql.Open("sqlite", "file:"+testdb.SQLitePath(t)+"?_pragma=journal_mode(WAL)&_pragma=busy_timeout(5000)")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = raw.Close() })
+	pool := dbx.NewSQLitePool(raw)
+	tables := offsets.NewTables("", "sqlbroker_", testdb.Topic(t, "")).OnSQLite()
+	if err := tables.Create(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	return tables, pool
+}
 
 // A group ordered by key: a message goes out only once every message of its key before it is
 // settled, whoever claims; messages without a key and of other keys go out beside it; a
 // nacked message stays first of its key.
 func TestClaimOrdered_onePerKeyInGroupOrder(t *testing.T) {
+	for _, name := range []string{"postgres", "sqlite"} {
+		t.Run(name, func(t *testing.T) { testClaimOrderedOnePerKey(t, name) })
+	}
+}
+
+func testClaimOrderedOnePerKey(t *testing.T, name string) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	tables, _, db := createTables(t, ctx)
+	tables, db := orderedTables(t, ctx, name)
 	store := offsets.NewStore(tables, false)
 	keys := []string{"A", "A", "B", "A", "", "B"}
 	rows := make([]offsets.Row, len(keys))
@@ -80,5 +113,221 @@ func TestClaimOrdered_onePerKeyInGroupOrder(t *testing.T) {
 	}
 	if got := names(claim(4)); got != "A4@1 B6@1 " {
 		t.Fatalf("after A2 and B3 acked: %q, want A4 and B6", got)
+	}
+}
+
+// Parked messages of a key go out in the group's order, (xid, offset), also where their
+// offsets run the other way: Y is written by a transaction that began before X's and commits
+// after it, so Y has the lower xid and the higher offset. Both are parked behind A0; once A0
+// is acked, Y goes first, then X. The parked rows carry that order in their tokens.
+func TestClaimOrdered_parkedGoInGroupOrderNotOffsetOrder(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tables, pool, db := createTables(t, ctx)
+	store := offsets.NewStore(tables, false)
+	row := func(uuid string) offsets.Row {
+		return offsets.Row{UUID: uuid, Metadata: fmt.Sprintf(`{%q: "A"}`, offsets.MetaOrderKey)}
+	}
+	if err := store.Insert(ctx, db, []offsets.Row{row("A0")}, ""); err != nil {
+		t.Fatal(err)
+	}
+	gid, err := store.EnsureGroup(ctx, db, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim := func(token int64) []string {
+		t.Helper()
+		cs, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, 100, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		for _, c := range cs {
+			got = append(got, c.UUID)
+		}
+		return got
+	}
+	var first []string
+	testdb.Eventually(t, 30*time.Second, "A0 claimed", func() bool { first = claim(1); return len(first) > 0 })
+	if fmt.Sprint(first) != "[A0]" {
+		t.Fatalf("first claim %v, want [A0]", first)
+	}
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	if _, err := tx.Exec(ctx, "SELECT pg_current_xact_id()"); err != nil { // Y's xid, taken first
+		t.Fatal(err)
+	}
+	if err := store.Insert(ctx, db, []offsets.Row{row("X")}, ""); err != nil { // lower offset, higher xid
+		t.Fatal(err)
+	}
+	if err := store.Insert(ctx, dbx.PgxTx(tx), []offsets.Row{row("Y")}, ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var xOff, yOff int64
+	if err := pool.QueryRow(ctx, `SELECT (SELECT "offset" FROM `+tables.Messages+` WHERE "uuid" = 'X'), (SELECT "offset" FROM `+tables.Messages+` WHERE "uuid" = 'Y')`).Scan(&xOff, &yOff); err != nil {
+		t.Fatal(err)
+	}
+	if xOff > yOff {
+		t.Fatalf("X at offset %d, Y at %d: the test needs X's offset lower", xOff, yOff)
+	}
+	testdb.Eventually(t, 30*time.Second, "X and Y parked", func() bool {
+		if got := claim(2); len(got) > 0 {
+			t.Fatalf("claimed %v while A0 is in work", got)
+		}
+		var parked int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tables.Claims+` WHERE "order_key" IS NOT NULL`).Scan(&parked); err != nil {
+			t.Fatal(err)
+		}
+		return parked == 2
+	})
+	ack := func(token int64, uuid string) {
+		t.Helper()
+		var off int64
+		if err := pool.QueryRow(ctx, `SELECT "offset" FROM `+tables.Messages+` WHERE "uuid" = $1`, uuid).Scan(&off); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := store.Ack(ctx, db, gid, []offsets.Fenced{{Offset: off, Token: token}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ack(1, "A0")
+	if got := claim(3); fmt.Sprint(got) != "[Y]" {
+		t.Fatalf("after A0 acked: %v, want [Y] (lower xid, higher offset)", got)
+	}
+	ack(3, "Y")
+	if got := claim(4); fmt.Sprint(got) != "[X]" {
+		t.Fatalf("after Y acked: %v, want [X]", got)
+	}
+}
+
+// A parked message whose time has not come when its key frees becomes a delayed claim: it is
+// passed (not handed out), holds its key, and is claimed again once its time has come. Its
+// time is far enough off for the first claim to come before it on PostgreSQL, which waits
+// for the transaction horizon to pass the inserts.
+func TestClaimOrdered_parkedDelayedMessageWaitsForItsTime(t *testing.T) {
+	for _, name := range []string{"postgres", "sqlite"} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			tables, db := orderedTables(t, ctx, name)
+			store := offsets.NewStore(tables, false)
+			md := fmt.Sprintf(`{%q: "A"}`, offsets.MetaOrderKey)
+			at := time.Now().Add(6 * time.Second)
+			if err := store.Insert(ctx, db, []offsets.Row{{UUID: "A1", Metadata: md}, {UUID: "A2", Metadata: md, DeliverAt: at}, {UUID: "A3", Metadata: md}}, ""); err != nil {
+				t.Fatal(err)
+			}
+			gid, err := store.EnsureGroup(ctx, db, "g", false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			claim := func(token int64) ([]string, []time.Time, []offsets.Claimed) {
+				t.Helper()
+				cs, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, 100, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				var got []string
+				var delayed []time.Time
+				for _, c := range cs {
+					if c.Delayed.IsZero() {
+						got = append(got, c.UUID)
+					} else {
+						delayed = append(delayed, c.Delayed)
+					}
+				}
+				return got, delayed, cs
+			}
+			var first []offsets.Claimed
+			testdb.Eventually(t, 30*time.Second, "A1", func() bool {
+				got, _, cs := claim(1)
+				first = cs
+				return len(got) == 1 && got[0] == "A1"
+			})
+			if _, err := store.Ack(ctx, db, gid, offsets.Fence(first, 1)); err != nil {
+				t.Fatal(err)
+			}
+			got, delayed, _ := claim(2)
+			if len(got) != 0 || len(delayed) != 1 || delayed[0].Before(at.Truncate(time.Millisecond)) {
+				t.Fatalf("after A1 acked: claimed %v, passed %v; want A2 passed until %v", got, delayed, at)
+			}
+			if got, _, _ := claim(3); len(got) != 0 {
+				t.Fatalf("while A2 waits for its time: claimed %v", got)
+			}
+			testdb.Eventually(t, 30*time.Second, "A2 claimed at its time", func() bool {
+				got, _, _ := claim(4)
+				if len(got) > 0 && (len(got) != 1 || got[0] != "A2") {
+					t.Fatalf("at A2's time: claimed %v", got)
+				}
+				return len(got) == 1
+			})
+			if !time.Now().After(at) {
+				t.Fatalf("A2 claimed before its time")
+			}
+		})
+	}
+}
+
+// While MaxParked messages of a group wait parked, a claim reads no new message: B, written
+// after more messages of A than that, stays unread while A's first is in work, and still once
+// it is acked (A's next goes, and the parked are as many as before, less one).
+func TestClaimOrdered_parkedCapStopsNewMessages(t *testing.T) {
+	for _, name := range []string{"postgres", "sqlite"} {
+		t.Run(name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			tables, db := orderedTables(t, ctx, name)
+			store := offsets.NewStore(tables, false)
+			const pass = 100
+			rows := make([]offsets.Row, offsets.MaxParked+2*pass+1)
+			for i := range rows {
+				k := "A"
+				if i == len(rows)-1 {
+					k = "B"
+				}
+				rows[i] = offsets.Row{UUID: fmt.Sprintf("%s%d", k, i+1), Metadata: fmt.Sprintf(`{%q: %q}`, offsets.MetaOrderKey, k)}
+			}
+			if err := store.Insert(ctx, db, rows, ""); err != nil {
+				t.Fatal(err)
+			}
+			gid, err := store.EnsureGroup(ctx, db, "g", false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var taken []offsets.Claimed
+			claim := func(token int64) {
+				t.Helper()
+				cs, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, pass, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, c := range cs {
+					if c.UUID == "B"+fmt.Sprint(len(rows)) {
+						t.Fatalf("claim %d took B with %d messages of A parked or more", token, offsets.MaxParked)
+					}
+				}
+				taken = append(taken, cs...)
+			}
+			for token := int64(1); token <= offsets.MaxParked/pass+5; token++ {
+				claim(token)
+			}
+			if len(taken) != 1 || taken[0].UUID != "A1" {
+				t.Fatalf("took %d messages, want A1 alone", len(taken))
+			}
+			if _, err := store.Ack(ctx, db, gid, offsets.Fence(taken, 1)); err != nil {
+				t.Fatal(err)
+			}
+			claim(100)
+			if len(taken) != 2 || taken[1].UUID != "A2" {
+				t.Fatalf("after A1 acked took %v, want A2", taken[1:])
+			}
+		})
 	}
 }

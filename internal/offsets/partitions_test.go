@@ -60,8 +60,8 @@ func (r *partitionRig) group(name string) int32 {
 	return id
 }
 
-// claim claims n messages (new ones, or due again with due) for the group under token.
-func (r *partitionRig) claim(gid int32, token int64, n int, due bool) []offsets.Fenced {
+// claim claims n messages (new ones, or due again as due says) for the group under token.
+func (r *partitionRig) claim(gid int32, token int64, n int, due offsets.Due) []offsets.Fenced {
 	r.t.Helper()
 	var got []offsets.Claimed
 	testdb.Eventually(r.t, 30*time.Second, "messages to claim", func() bool {
@@ -137,7 +137,7 @@ func TestMaintain_dropsOnlyPassedUnclaimedPartitions(t *testing.T) {
 	r.expect("no group passed anything", 1, 3, 5, 7)
 
 	// fast: everything passed; 3 nacked, 5 delayed (a claim row due at its time).
-	fs := r.claim(fast, 1<<40, 7, false) // the seven not delayed, passing the delayed one
+	fs := r.claim(fast, 1<<40, 7, offsets.DueNone) // the seven not delayed, passing the delayed one
 	var nacked []offsets.Fenced
 	for _, f := range fs {
 		if f.Offset == 3 {
@@ -149,11 +149,11 @@ func TestMaintain_dropsOnlyPassedUnclaimedPartitions(t *testing.T) {
 	}
 	r.ack(fast, slices.DeleteFunc(fs, func(f offsets.Fenced) bool { return f.Offset == 3 }))
 	// slow: the first two messages only.
-	r.ack(slow, r.claim(slow, 1<<41, 2, false))
+	r.ack(slow, r.claim(slow, 1<<41, 2, offsets.DueNone))
 	r.pass()
 	r.expect("slow at 2, 3 nacked, 5 delayed", 3, 5, 7)
 
-	r.ack(slow, r.claim(slow, 1<<42, 5, false)) // 3, 4, 6, 7, 8; 5 delayed for it too
+	r.ack(slow, r.claim(slow, 1<<42, 5, offsets.DueNone)) // 3, 4, 6, 7, 8; 5 delayed for it too
 	r.pass()
 	r.expect("slow has passed every message", 3, 5)
 
@@ -161,10 +161,10 @@ func TestMaintain_dropsOnlyPassedUnclaimedPartitions(t *testing.T) {
 	if _, err := r.db.Exec(r.ctx, `UPDATE `+r.tables.Claims+` SET "visible_at" = now()`); err != nil {
 		t.Fatal(err)
 	}
-	r.ack(fast, r.claim(fast, 1<<43, 2, true))
+	r.ack(fast, r.claim(fast, 1<<43, 2, offsets.DueAll))
 	r.pass()
 	r.expect("slow's delayed message waits", 5)
-	r.ack(slow, r.claim(slow, 1<<44, 1, true))
+	r.ack(slow, r.claim(slow, 1<<44, 1, offsets.DueAll))
 	r.pass()
 	r.expect("every claim settled")
 	if n := testdb.Count(t, r.tables.Messages); n != 0 {
@@ -189,7 +189,7 @@ func TestMaintain_openWriterHoldsItsPartition(t *testing.T) {
 		t.Fatal(err)
 	}
 	r.insert(offsets.Row{}, offsets.Row{}) // offsets 3 and 4, held back behind the open one
-	r.ack(g, r.claim(g, 1<<40, 1, false))
+	r.ack(g, r.claim(g, 1<<40, 1, offsets.DueNone))
 	if _, err := r.store.Maintain(r.ctx, r.conn, offsets.MaintainOptions{Drop: true, Wait: 500 * time.Millisecond}); err != nil {
 		t.Fatal(err)
 	}
@@ -199,7 +199,7 @@ func TestMaintain_openWriterHoldsItsPartition(t *testing.T) {
 	if err := tx.Commit(r.ctx); err != nil {
 		t.Fatal(err)
 	}
-	fs := r.claim(g, 1<<41, 3, false)
+	fs := r.claim(g, 1<<41, 3, offsets.DueNone)
 	if fs[0].Offset != 2 {
 		t.Fatalf("claimed %v, want offset 2 first", fs)
 	}
@@ -215,7 +215,7 @@ func TestMaintain_floorsFollowTheGroups(t *testing.T) {
 	r := newPartitionRig(t, 2, 4)
 	ahead, behind := r.group("ahead"), r.group("behind")
 	r.insert(offsets.Row{}, offsets.Row{}, offsets.Row{}, offsets.Row{}, offsets.Row{})
-	r.ack(ahead, r.claim(ahead, 1<<40, 4, false))
+	r.ack(ahead, r.claim(ahead, 1<<40, 4, offsets.DueNone))
 	if _, err := r.store.Maintain(r.ctx, r.conn, offsets.MaintainOptions{Wait: 10 * time.Second}); err != nil {
 		t.Fatal(err)
 	}
@@ -228,7 +228,7 @@ func TestMaintain_floorsFollowTheGroups(t *testing.T) {
 	if f := floor("behind"); f != 1 {
 		t.Errorf("floor of behind %d, want 1", f)
 	}
-	if fs := r.claim(ahead, 1<<41, 1, false); fs[0].Offset != 5 {
+	if fs := r.claim(ahead, 1<<41, 1, offsets.DueNone); fs[0].Offset != 5 {
 		t.Errorf("ahead claimed %v after its floor, want offset 5", fs)
 	}
 	if _, err := r.tables.ResetGroup(r.ctx, r.db, "ahead", 2, time.Time{}, false); err != nil {
@@ -237,8 +237,118 @@ func TestMaintain_floorsFollowTheGroups(t *testing.T) {
 	if f := floor("ahead"); f != 0 {
 		t.Errorf("floor of ahead after the reset %d, want 0", f)
 	}
-	if fs := r.claim(ahead, 1<<42, 1, false); fs[0].Offset != 2 {
+	if fs := r.claim(ahead, 1<<42, 1, offsets.DueNone); fs[0].Offset != 2 {
 		t.Errorf("ahead claimed %v after the reset to 2", fs)
 	}
 	_ = behind
+}
+
+// A detach that a long transaction outlasted stays pending until that transaction ends, and
+// the passes meanwhile make no claim wait: completing the detach (FINALIZE) asks for an ACCESS
+// EXCLUSIVE lock on the partition, and every claim of the topic would queue behind that
+// request for as long as it waited. A REPEATABLE READ reader that read the table holds the
+// partition here, as a report or a backup would.
+func TestMaintain_pendingDetachHoldsNoClaimBack(t *testing.T) {
+	r := newPartitionRig(t, 2, 4)
+	g := r.group("g")
+	r.insert(offsets.Row{}, offsets.Row{}, offsets.Row{}, offsets.Row{}, offsets.Row{}, offsets.Row{})
+	r.ack(g, r.claim(g, 1<<40, 2, offsets.DueNone)) // [1,3) passed
+
+	reader, err := r.db.Begin(r.ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reader.Rollback(context.Background())
+	if _, err := reader.Exec(r.ctx, "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"); err != nil {
+		t.Fatal(err)
+	}
+	var one int
+	if err := dbx.QueryRow(r.ctx, reader, "SELECT 1 FROM "+r.tables.Messages+" LIMIT 1", nil, &one); err != nil {
+		t.Fatal(err)
+	}
+
+	maintain := func() offsets.MaintainResult {
+		t.Helper()
+		res, err := r.store.Maintain(r.ctx, r.conn, offsets.MaintainOptions{Drop: true, Wait: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	// The first passes learn that [1,3) is complete, then begin its detach, which waits for
+	// the reader and is left pending.
+	testdb.Eventually(t, 30*time.Second, "a detach left pending by the reader", func() bool {
+		return maintain().Waiting
+	})
+
+	// Passes while the reader holds the partition, and claims beside them; meanwhile no
+	// session may wait for an ACCESS EXCLUSIVE lock on a partition of the table: every claim
+	// would wait behind that request.
+	stop := make(chan struct{})
+	passes := make(chan error, 1)
+	go func() {
+		defer close(passes)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if _, err := r.store.Maintain(r.ctx, r.conn, offsets.MaintainOptions{Drop: true, Wait: 2 * time.Second}); err != nil {
+				passes <- err
+				return
+			}
+		}
+	}()
+	claims := make(chan error, 1)
+	go func() {
+		defer close(claims)
+		for i := range 10 {
+			token := int64(1<<41 + i)
+			cs, err := r.store.Claim(r.ctx, r.db, g, token, time.Hour, 1, offsets.DueNone, nil)
+			if err != nil {
+				claims <- err
+				return
+			}
+			if len(cs) == 1 {
+				if _, err := r.store.Ack(r.ctx, r.db, g, offsets.Fence(cs, token)); err != nil {
+					claims <- err
+					return
+				}
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+	var waiting int
+	var err2 error
+	for end := time.Now().Add(3 * time.Second); waiting == 0 && err2 == nil && time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
+		err2 = dbx.QueryRow(r.ctx, r.db, `SELECT count(*)::int FROM pg_locks l
+			WHERE NOT l.granted AND l.locktype = 'relation' AND l.mode = 'AccessExclusiveLock'
+			  AND l.relation IN (SELECT i.inhrelid FROM pg_inherits i WHERE i.inhparent = $1::regclass)`, []any{r.tables.Messages}, &waiting)
+	}
+	close(stop)
+	if err := <-passes; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-claims; err != nil {
+		t.Fatal(err)
+	}
+	if err2 != nil {
+		t.Fatal(err2)
+	}
+	if waiting > 0 {
+		t.Fatal("a session waits for an ACCESS EXCLUSIVE lock on a partition the reader holds: every claim of the topic waits behind it")
+	}
+	r.expect("the reader holds the pending partition", 1, 3, 5, 7)
+
+	if err := reader.Rollback(r.ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Once it has ended, a pass completes the detach (one at a time: a short lock held
+	// elsewhere, autovacuum's say, leaves it to the next).
+	testdb.Eventually(t, 30*time.Second, "the pending detach completed once the reader ended", func() bool {
+		maintain()
+		got := r.partitions(9)
+		return len(got) > 0 && got[0] != 1
+	})
 }

@@ -34,7 +34,7 @@ func TestClaimPassing_delayedDoNotTakeTheRoom(t *testing.T) {
 		"postgres/lease": func(t *testing.T) claimFn {
 			store, db, gid := pgStore(t, ctx, rows)
 			return func(limit, pass int) ([]offsets.Claimed, error) {
-				return store.ClaimPassing(ctx, db, gid, 7, time.Minute, limit, pass, false, nil)
+				return store.ClaimPassing(ctx, db, gid, 7, time.Minute, limit, pass, offsets.DueNone, nil)
 			}
 		},
 		"postgres/advisory": func(t *testing.T) claimFn {
@@ -48,7 +48,7 @@ func TestClaimPassing_delayedDoNotTakeTheRoom(t *testing.T) {
 				conn.Release()
 			})
 			return func(limit, pass int) ([]offsets.Claimed, error) {
-				return store.ClaimLockedPassing(ctx, dbx.PgxConn(conn.Conn()), gid, 7, limit, pass, 0x50415353, nil, false, nil)
+				return store.ClaimLockedPassing(ctx, dbx.PgxConn(conn.Conn()), gid, 7, limit, pass, 0x50415353, nil, offsets.DueNone, nil)
 			}
 		},
 		"sqlite": func(t *testing.T) claimFn {
@@ -71,7 +71,7 @@ func TestClaimPassing_delayedDoNotTakeTheRoom(t *testing.T) {
 				t.Fatal(err)
 			}
 			return func(limit, pass int) ([]offsets.Claimed, error) {
-				return store.ClaimPassing(ctx, pool, gid, 7, time.Minute, limit, pass, false, nil)
+				return store.ClaimPassing(ctx, pool, gid, 7, time.Minute, limit, pass, offsets.DueNone, nil)
 			}
 		},
 	}

@@ -28,7 +28,36 @@ type planNode struct {
 	Index       string     `json:"Index Name"`
 	ActualRows  float64    `json:"Actual Rows"`
 	ActualLoops float64    `json:"Actual Loops"`
+	HitBlocks   float64    `json:"Shared Hit Blocks"`  // with auto_explain.log_buffers
+	ReadBlocks  float64    `json:"Shared Read Blocks"` // with auto_explain.log_buffers
 	Plans       []planNode `json:"Plans"`
+}
+
+// blocksRead sums the blocks that the scans of table (by name, quoted) read in the plans
+// reported for one statement (what; see parsePlans), and says whether one of them was a
+// sequential scan. It needs auto_explain.log_buffers.
+func blocksRead(t *testing.T, what string, raw []string, table string) (blocks float64, seq bool) {
+	t.Helper()
+	for _, p := range parsePlans(t, what, raw) {
+		for _, s := range scansOf(p.root, table) {
+			blocks += s.HitBlocks + s.ReadBlocks
+			seq = seq || s.NodeType == "Seq Scan"
+		}
+	}
+	return blocks, seq
+}
+
+// scansOf returns the nodes of the plan that scan table (by name, quoted) itself: the index
+// scans of its indexes and its heap scans.
+func scansOf(n planNode, table string) []planNode {
+	var out []planNode
+	if n.Relation == strings.Trim(table, `"`) && strings.Contains(n.NodeType, "Scan") {
+		out = append(out, n)
+	}
+	for _, c := range n.Plans {
+		out = append(out, scansOf(c, table)...)
+	}
+	return out
 }
 
 // explained is one plan that auto_explain reported: its root node and its JSON text.
@@ -84,9 +113,13 @@ func widestOn(n planNode, table string) (planNode, float64) {
 	return best, most
 }
 
+// dueSuffix names the claim statements' forms in the plan tests' messages.
+var dueSuffix = map[offsets.Due]string{offsets.DueAll: "", offsets.DueRecent: ", recent leases", offsets.DueGivenBack: ", given back", offsets.DueNone: ", new only"}
+
 // explainedConn is a session with auto_explain reporting every plan it runs, in JSON, as a
-// notice: the plans of the prepared statements as the library really runs them.
-func explainedConn(t *testing.T, ctx context.Context) (*pgx.Conn, func() []string) {
+// notice: the plans of the prepared statements as the library really runs them. settings
+// are run after auto_explain's own.
+func explainedConn(t *testing.T, ctx context.Context, settings ...string) (*pgx.Conn, func() []string) {
 	t.Helper()
 	cc, err := pgx.ParseConfig(testdb.URL())
 	if err != nil {
@@ -106,13 +139,13 @@ func explainedConn(t *testing.T, ctx context.Context) (*pgx.Conn, func() []strin
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close(context.Background()) })
-	for _, s := range []string{
+	for _, s := range append([]string{
 		"LOAD 'auto_explain'",
 		"SET auto_explain.log_min_duration = 0",
 		"SET auto_explain.log_analyze = on",
 		"SET auto_explain.log_format = json",
 		"SET auto_explain.log_level = notice",
-	} {
+	}, settings...) {
 		if _, err := conn.Exec(ctx, s); err != nil {
 			t.Skipf("%s: %v (auto_explain needs the contrib modules and a superuser)", s, err)
 		}
@@ -164,12 +197,12 @@ func TestClaimPlanStaysFlat(t *testing.T) {
 		}
 		return gid
 	}
-	// Each statement in both forms: with the due step, and for new messages only. The
-	// tokens are as large as real ones (62 bits), so that a parameter the server types as
-	// int4 fails here.
+	// Each statement in its three forms: with the due step, with the step of the claims given
+	// back, and for new messages only. The tokens are as large as real ones (62 bits), so that
+	// a parameter the server types as int4 fails here.
 	claims := map[string]func(int64) (int, error){}
-	for _, due := range []bool{true, false} {
-		suffix := map[bool]string{true: "", false: ", new only"}[due]
+	for _, due := range []offsets.Due{offsets.DueAll, offsets.DueRecent, offsets.DueGivenBack, offsets.DueNone} {
+		suffix := dueSuffix[due]
 		leaseGroup, advisoryGroup := group("lease"+suffix), group("advisory"+suffix)
 		claims["lease"+suffix] = func(tok int64) (int, error) {
 			c, err := store.Claim(ctx, q, leaseGroup, tok, time.Minute, batch, due, nil)
@@ -235,7 +268,7 @@ func TestSettlePlansStayFlat(t *testing.T) {
 		t.Fatal(err)
 	}
 	for token := int64(1 << 61); token < 1<<61+settled/100; token++ {
-		cs, err := store.Claim(ctx, db, gid, token, time.Minute, 100, false, nil)
+		cs, err := store.Claim(ctx, db, gid, token, time.Minute, 100, offsets.DueNone, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -263,7 +296,7 @@ func TestSettlePlansStayFlat(t *testing.T) {
 	for round := range 21 {
 		token := int64(1<<62 + round)
 		plans()
-		cs, err := store.Claim(ctx, q, gid, token, time.Minute, batch, false, nil)
+		cs, err := store.Claim(ctx, q, gid, token, time.Minute, batch, offsets.DueNone, nil)
 		if err != nil || len(cs) != batch {
 			t.Fatalf("claim, round %d: %d claimed, %v", round, len(cs), err)
 		}
@@ -286,6 +319,187 @@ func TestSettlePlansStayFlat(t *testing.T) {
 			}
 			check(st.name, round)
 		}
+	}
+}
+
+// TestGivenBackClaimSkipsSettledClaims checks that the claim's look at the claims given back
+// (offsets.DueGivenBack, which a subscription makes whenever its last claim was short) reads
+// their range of the primary key only (negative tokens), and its look at the leases that ran
+// out recently (offsets.DueRecent, once per idle poll interval) the window of the leases
+// index, not the versions of the claims settled while a snapshot holds vacuum back: with 2,000
+// claims settled under a held snapshot (their deadlines a minute past, as those of claims
+// settled a minute ago would be), their scans of the claims table read a few blocks, generic
+// plan or custom, while the look at every claim (DueAll) reads them all.
+func TestGivenBackClaimSkipsSettledClaims(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	tables, pool, db := createTables(t, ctx)
+	store := offsets.NewStore(tables, true)
+	const settled, batch, rounds = 2_000, 10, 8
+	rows := make([]offsets.Row, (settled+2*rounds+2)*batch)
+	for i := range rows {
+		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: make([]byte, 16), Metadata: "{}"}
+	}
+	if err := store.Insert(ctx, db, rows, ""); err != nil {
+		t.Fatal(err)
+	}
+	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	gid, err := store.EnsureGroup(ctx, db, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, plans := explainedConn(t, ctx, "SET auto_explain.log_buffers = on")
+	q := dbx.PgxConn(conn)
+	token := int64(1 << 61)
+	// blocks runs a claim with due and returns the blocks its scans of the claims table read,
+	// and whether one of them read its heap whole.
+	blocks := func(due offsets.Due, round int) (float64, bool) {
+		t.Helper()
+		token++
+		cs, err := store.Claim(ctx, q, gid, token, time.Minute, batch, due, nil)
+		if err != nil || len(cs) != batch {
+			t.Fatalf("claim%s, round %d: %d claimed, %v", dueSuffix[due], round, len(cs), err)
+		}
+		n, seq := blocksRead(t, fmt.Sprintf("claim%s, round %d", dueSuffix[due], round), plans(), tables.Claims)
+		// Nacked at once: the next claim finds them given back and due.
+		if _, err := store.Nack(ctx, q, gid, offsets.Fence(cs, token), 0); err != nil {
+			t.Fatal(err)
+		}
+		plans() // the nack's
+		return n, seq
+	}
+	plans()
+	// The first claim takes new messages, whose nack gives the next ones something to take.
+	blocks(offsets.DueNone, 0)
+	looks := []offsets.Due{offsets.DueGivenBack, offsets.DueRecent}
+
+	// A reader holding its snapshot: no version of a settled claim can be removed from here on.
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback(context.Background())
+	if _, err := holder.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, "SELECT count(*) FROM "+tables.Claims); err != nil {
+		t.Fatal(err)
+	}
+	for range settled {
+		token++
+		cs, err := store.Claim(ctx, db, gid, token, -time.Minute, batch, offsets.DueNone, nil)
+		if err != nil || len(cs) != batch {
+			t.Fatalf("claim: %d claimed, %v", len(cs), err)
+		}
+		if done, err := store.Ack(ctx, db, gid, offsets.Fence(cs, token)); err != nil || len(done) != batch {
+			t.Fatalf("ack: %d of %d applied, %v", len(done), batch, err)
+		}
+	}
+
+	// The statistics the maintenance pass leaves once the claims table has grown: a few live
+	// rows of the group in many pages. Planned with them, a claim expects a row or two of the
+	// group, and a join that reads the group's range of the key reads every dead version.
+	if _, err := pool.Exec(ctx, "ANALYZE "+tables.Claims); err != nil {
+		t.Fatal(err)
+	}
+	most := map[offsets.Due]float64{}
+	for _, due := range looks {
+		for round := range rounds {
+			n, seq := blocks(due, round)
+			if seq {
+				t.Errorf("claim%s, round %d: a sequential scan of the claims table", dueSuffix[due], round)
+			}
+			most[due] = max(most[due], n)
+		}
+	}
+	all, _ := blocks(offsets.DueAll, 0)
+	t.Logf("blocks of the claims table read by a claim after %d claims settled under a held snapshot: given back at most %.0f, recent leases at most %.0f, every claim %.0f",
+		settled, most[offsets.DueGivenBack], most[offsets.DueRecent], all)
+	// The bound of the two looks, and the sanity of the set-up: the versions held back are
+	// many more blocks than the bound, or the bound proves nothing.
+	const bound = 40
+	if all < 2*bound {
+		t.Errorf("the look at every claim read %.0f blocks, under twice the bound of %d: the snapshot held nothing back?", all, bound)
+	}
+	for due, n := range most {
+		if n > bound {
+			t.Errorf("the look%s read %.0f blocks of the claims table, more than %d", dueSuffix[due], n, bound)
+		}
+	}
+}
+
+// TestMaintainReplansGrownClaims checks that a maintenance pass has the settlements planned
+// again once the claims table has grown: their generic plans, made while the table was a
+// page, read it by a sequential scan, and the server keeps a plan until the table's
+// statistics change. With 20,000 claim rows that vacuum has not removed, an ack read the
+// whole table until the pass analyzed it, and a few blocks after.
+func TestMaintainReplansGrownClaims(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	tables, pool, db := createTables(t, ctx)
+	if _, err := pool.Exec(ctx, "ALTER TABLE "+tables.Claims+" SET (autovacuum_enabled = false)"); err != nil {
+		t.Fatal(err)
+	}
+	store := offsets.NewStore(tables, true)
+	const rounds = 16
+	rows := make([]offsets.Row, 2*rounds)
+	for i := range rows {
+		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: make([]byte, 16), Metadata: "{}"}
+	}
+	if err := store.Insert(ctx, db, rows, ""); err != nil {
+		t.Fatal(err)
+	}
+	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	conn, plans := explainedConn(t, ctx, "SET auto_explain.log_buffers = on")
+	q := dbx.PgxConn(conn)
+	gid, err := store.EnsureGroup(ctx, q, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	token := int64(1 << 61)
+	// ack claims one message and acks it on the explained session, and returns the blocks of
+	// the claims table the ack's scans read.
+	ack := func() float64 {
+		t.Helper()
+		token++
+		cs, err := store.Claim(ctx, q, gid, token, time.Minute, 1, offsets.DueNone, nil)
+		if err != nil || len(cs) != 1 {
+			t.Fatalf("claim: %d claimed, %v", len(cs), err)
+		}
+		plans()
+		if done, err := store.Ack(ctx, q, gid, offsets.Fence(cs, token)); err != nil || len(done) != 1 {
+			t.Fatalf("ack: %d applied, %v", len(done), err)
+		}
+		n, _ := blocksRead(t, "ack", plans(), tables.Claims)
+		return n
+	}
+	for range rounds / 2 { // the generic plan, made on a table of a page
+		ack()
+	}
+	if _, err := pool.Exec(ctx, fmt.Sprintf(`INSERT INTO %s ("group_id", "token", "attempts", "visible_at", "offsets")
+		SELECT %d, i, 1, now() + interval '1 hour', ARRAY[i] FROM generate_series(1, 20000) i`, tables.Claims, gid+1)); err != nil {
+		t.Fatal(err)
+	}
+	before := ack()
+	mc, err := db.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = store.Maintain(ctx, mc, offsets.MaintainOptions{})
+	mc.Release()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var after float64
+	for range rounds/2 - 1 { // planned again: custom plans, then the generic one
+		after = max(after, ack())
+	}
+	t.Logf("blocks of the claims table an ack read with 20,000 claims: %.0f before the pass, at most %.0f after", before, after)
+	if after > 20 {
+		t.Errorf("after the maintenance pass an ack read %.0f blocks of the claims table (%.0f before it)", after, before)
+	}
+	if before < 5*after {
+		t.Errorf("before the pass an ack read %.0f blocks, after it %.0f: was it ever planned for a small table?", before, after)
 	}
 }
 
@@ -336,14 +550,11 @@ func TestClaimsKeepGenericPlans(t *testing.T) {
 		t.Fatal(err)
 	}
 	for round := range runs {
-		for _, due := range []bool{true, false} {
-			token := int64(1<<61 + 2*round)
-			if due {
-				token++
-			}
+		for _, due := range []offsets.Due{offsets.DueAll, offsets.DueGivenBack, offsets.DueNone} {
+			token := int64(1<<61 + 3*round + int(due))
 			cs, err := store.Claim(ctx, q, lease, token, time.Minute, batch, due, nil)
 			if err != nil || len(cs) != batch {
-				t.Fatalf("lease claim (due %v), round %d: %d claimed, %v", due, round, len(cs), err)
+				t.Fatalf("lease claim%s, round %d: %d claimed, %v", dueSuffix[due], round, len(cs), err)
 			}
 			fs := offsets.Fence(cs, token)
 			if _, err := store.Extend(ctx, q, lease, fs, time.Minute); err != nil {
@@ -354,7 +565,7 @@ func TestClaimsKeepGenericPlans(t *testing.T) {
 			}
 			cs, err = store.ClaimLocked(ctx, q, advisory, token, batch, 0x4C000001+advisory, []int64{1 << 40, 1<<40 + 1}, due, nil)
 			if err != nil || len(cs) != batch {
-				t.Fatalf("advisory claim (due %v), round %d: %d claimed, %v", due, round, len(cs), err)
+				t.Fatalf("advisory claim%s, round %d: %d claimed, %v", dueSuffix[due], round, len(cs), err)
 			}
 			if _, err := store.HeldAfter(ctx, q, advisory, 0, []int64{1}, 256); err != nil {
 				t.Fatal(err)
@@ -392,9 +603,10 @@ func TestClaimsKeepGenericPlans(t *testing.T) {
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
 	}
-	// Four claims (two modes, with and without the due step), extend, ack, the orphan walk.
-	if seen != 7 {
-		t.Errorf("saw %d statements run at least six times, want 7", seen)
+	// Six claims (two modes, each with the due step, with that of the claims given back, and
+	// for new messages only), extend, ack, the orphan walk.
+	if seen != 9 {
+		t.Errorf("saw %d statements run at least six times, want 9", seen)
 	}
 }
 
@@ -451,7 +663,7 @@ func TestClaimLockedSkipsHeldLocks(t *testing.T) {
 			if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1::int4, $2::int4)", key1, first).Scan(&ok); err != nil || !ok {
 				t.Fatalf("lock of the first message: %v %v", ok, err)
 			}
-			cs, err := store.ClaimLocked(ctx, q, gid, 1<<61, 3, key1, []int64{first}, false, nil)
+			cs, err := store.ClaimLocked(ctx, q, gid, 1<<61, 3, key1, []int64{first}, offsets.DueNone, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -529,19 +741,19 @@ func TestClaimSkipsPassedPartitions(t *testing.T) {
 	q := dbx.PgxConn(conn)
 	claims := map[string]func(int64) (int, error){
 		"lease": func(tok int64) (int, error) {
-			c, err := store.Claim(ctx, q, groups["lease"], tok, time.Minute, batch, true, nil)
+			c, err := store.Claim(ctx, q, groups["lease"], tok, time.Minute, batch, offsets.DueAll, nil)
 			return len(c), err
 		},
 		"lease, new only": func(tok int64) (int, error) {
-			c, err := store.Claim(ctx, q, groups["lease, new only"], tok, time.Minute, batch, false, nil)
+			c, err := store.Claim(ctx, q, groups["lease, new only"], tok, time.Minute, batch, offsets.DueNone, nil)
 			return len(c), err
 		},
 		"advisory": func(tok int64) (int, error) {
-			c, err := store.ClaimLocked(ctx, q, groups["advisory"], tok, batch, 0x4C000001+groups["advisory"], nil, true, nil)
+			c, err := store.ClaimLocked(ctx, q, groups["advisory"], tok, batch, 0x4C000001+groups["advisory"], nil, offsets.DueAll, nil)
 			return len(c), err
 		},
 		"advisory, new only": func(tok int64) (int, error) {
-			c, err := store.ClaimLocked(ctx, q, groups["advisory, new only"], tok, batch, 0x4C000001+groups["advisory, new only"], nil, false, nil)
+			c, err := store.ClaimLocked(ctx, q, groups["advisory, new only"], tok, batch, 0x4C000001+groups["advisory, new only"], nil, offsets.DueNone, nil)
 			return len(c), err
 		},
 		"ordered": func(tok int64) (int, error) {
@@ -600,3 +812,55 @@ type connTx struct {
 
 func (t connTx) Commit(ctx context.Context) error   { return t.tx.Commit(ctx) }
 func (t connTx) Rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }
+
+// TestRecentLookTakesRecentLeasesOnly checks what each look at the leases that ran out takes
+// back: a lease that ran out within offsets.RecentWindow is taken by DueRecent and DueAll; one
+// that ran out before, only by DueAll (a subscription makes that look first, and whenever its
+// looks left a gap).
+func TestRecentLookTakesRecentLeasesOnly(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tables, _, db := createTables(t, ctx)
+	store := offsets.NewStore(tables, true)
+	rows := []offsets.Row{{UUID: "old", Payload: []byte("old"), Metadata: "{}"}, {UUID: "recent", Payload: []byte("recent"), Metadata: "{}"}}
+	if err := store.Insert(ctx, db, rows[:1], ""); err != nil {
+		t.Fatal(err)
+	}
+	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	gid, err := store.EnsureGroup(ctx, db, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim := func(token int64, ttl time.Duration, due offsets.Due) []string {
+		t.Helper()
+		cs, err := store.Claim(ctx, db, gid, token, ttl, 10, due, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		for _, c := range cs {
+			got = append(got, fmt.Sprintf("%s/%d", c.UUID, c.Attempts))
+		}
+		return got
+	}
+	// Leases that ran out twice the window ago and a second ago.
+	if got := claim(1, -2*offsets.RecentWindow, offsets.DueNone); fmt.Sprint(got) != "[old/1]" {
+		t.Fatalf("first claim: %v", got)
+	}
+	if err := store.Insert(ctx, db, rows[1:], ""); err != nil {
+		t.Fatal(err)
+	}
+	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	if got := claim(2, -time.Second, offsets.DueNone); fmt.Sprint(got) != "[recent/1]" {
+		t.Fatalf("second claim: %v", got)
+	}
+	if got := claim(3, time.Minute, offsets.DueGivenBack); len(got) != 0 {
+		t.Errorf("the look at the claims given back took %v, which someone holds", got)
+	}
+	if got := claim(4, time.Minute, offsets.DueRecent); fmt.Sprint(got) != "[recent/2]" {
+		t.Errorf("the look at recent leases took %v, want the lease that ran out a second ago", got)
+	}
+	if got := claim(5, time.Minute, offsets.DueAll); fmt.Sprint(got) != "[old/2]" {
+		t.Errorf("the look at every claim took %v, want the lease that ran out before the window", got)
+	}
+}

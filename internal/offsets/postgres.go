@@ -28,10 +28,8 @@ type postgres struct{ *pgTopic }
 type pgTopic struct {
 	t Tables
 
-	claimSQL            string // due claims first, then new messages
-	claimNewSQL         string // new messages only
-	claimLockedSQL      string
-	claimLockedNewSQL   string
+	claimSQL            [4]string // by Due: the claims due again it takes first, then new messages
+	claimLockedSQL      [4]string
 	claimOrderedSQL     string
 	lockGroupSQL        string
 	ackSQL              string
@@ -69,10 +67,10 @@ func (postgres) prepare(t Tables, asyncCommit bool) database {
 	}
 	s.with, s.cond = with, cond
 
-	s.claimSQL = claimSQL(t, with, cond, true, false)
-	s.claimNewSQL = claimSQL(t, with, cond, false, false)
-	s.claimLockedSQL = claimSQL(t, with, cond, true, true)
-	s.claimLockedNewSQL = claimSQL(t, with, cond, false, true)
+	for _, due := range []Due{DueNone, DueGivenBack, DueRecent, DueAll} {
+		s.claimSQL[due] = claimSQL(t, with, cond, due, false)
+		s.claimLockedSQL[due] = claimSQL(t, with, cond, due, true)
+	}
 	s.claimOrderedSQL = orderedClaimSQL(t, with, cond)
 	s.lockGroupSQL = fmt.Sprintf(lockGroupRowSQL, t.Groups)
 
@@ -211,12 +209,8 @@ func (s postgres) ensureGroup(ctx context.Context, q dbx.Querier, group string, 
 	return 0, fmt.Errorf("consumer group %q: its row could not be created or read", group)
 }
 
-func (s postgres) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
-	sql := s.claimNewSQL
-	if due {
-		sql = s.claimSQL
-	}
-	rows, err := dbx.QueryWrite(ctx, q, sql, groupID, token, ms(ttl), limit, pass)
+func (s postgres) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due Due, out []Claimed) ([]Claimed, error) {
+	rows, err := dbx.QueryWrite(ctx, q, s.claimSQL[due], groupID, token, ms(ttl), limit, pass)
 	if err != nil {
 		return out, err
 	}
@@ -244,15 +238,11 @@ func (s postgres) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int3
 }
 
 // claimLocked is ClaimLockedPassing (see claimLockedSQL).
-func (s postgres) claimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due bool, out []Claimed) ([]Claimed, error) {
+func (s postgres) claimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due Due, out []Claimed) ([]Claimed, error) {
 	if skip == nil {
 		skip = []int64{}
 	}
-	sql := s.claimLockedNewSQL
-	if due {
-		sql = s.claimLockedSQL
-	}
-	rows, err := dbx.QueryWrite(ctx, q, sql, groupID, token, key1, limit, skip, pass)
+	rows, err := dbx.QueryWrite(ctx, q, s.claimLockedSQL[due], groupID, token, key1, limit, skip, pass)
 	if err != nil {
 		return out, err
 	}
@@ -437,7 +427,7 @@ func (postgres) backendAlive(ctx context.Context, q dbx.Querier, pid uint32) (bo
 	return alive, err
 }
 
-// schemaSQL: tables of schema versions 1 to 3 are upgraded in place (see upgradableVersions).
+// schemaSQL: tables of schema versions 1 to 4 are upgraded in place (see upgradableVersions).
 func (postgres) schemaSQL(t Tables) string {
 	var b strings.Builder
 	messagesSchemaSQL(&b, t)
@@ -500,6 +490,7 @@ END `, quoteLiteral(t.Claims), t.Claims, ident.Quote(old), ident.Qualified(t.Sch
 END `, quoteLiteral(ident.Qualified(t.Schema, old)), t.Claims, ident.Qualified(t.Schema, old), unheldTokenSQL)
 	tag = dollarTag(body)
 	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
+	fmt.Fprintf(&b, claimsLeaseIndexSQL+";\n", t.obj("_c_lease"), t.Claims)
 	// The partitions of the next offsets.
 	fmt.Fprintf(&b, "SELECT %s(0, %d);\n", t.extendFn(), PartitionSize)
 	// The version is written last: a table that carries it has every part of it.

@@ -24,11 +24,29 @@ import "fmt"
 // have distinct keys without a shared sequence (which would need one more privilege).
 const unheldTokenSQL = `(-1 - floor(random() * 4611686018427387903))::bigint`
 
+// parkedTokenSQL makes the tokens of the parked rows that the ordered claim writes (m, its
+// new messages of class 'p'): they lie below unheldTokenSQL's range (at most -2^62), one after
+// the group's latest parked row's, in the order the group's position passes the messages, so
+// that a key's first parked message is its parked row of lowest token, found without reading
+// the messages. The group's ordered claims run one after another (lockGroupRowSQL), so the
+// tokens of one group are distinct. Reaching the random range would take 2^62 messages parked
+// while the group always had one parked.
+const parkedTokenSQL = `(SELECT coalesce(max(cl."token"), -9223372036854775808) FROM cl
+		WHERE cl."order_key" IS NOT NULL AND cl."token" <= -4611686018427387904)
+	+ row_number() OVER (ORDER BY m."xid", m."offset")`
+
 // mergeOffsetsSQL is the ON CONFLICT step of the inserts of held rows: a claim and a takeover
 // of one round of the advisory mode may write the same token and attempt count.
 const mergeOffsetsSQL = `ON CONFLICT ("group_id", "token", "attempts") DO UPDATE
 	SET "offsets" = ARRAY(SELECT o FROM unnest(c."offsets" || excluded."offsets") o ORDER BY o),
 		"visible_at" = excluded."visible_at"`
+
+// givenBackSQL is the due step's filter of DueGivenBack: the rows no one holds. Their tokens
+// are negative and the token is the second column of the primary key, so the step reads one
+// range of the key, (group_id, < 0), whose entries come and go with nacks, releases, delayed
+// and parked messages only: it reads no version of the rows of claims held and settled (all
+// positive), and a held snapshot that keeps those alive costs it nothing.
+const givenBackSQL = ` AND c."token" < 0`
 
 // dueStepSQL is the due step of the claim statements: d0, the rows of group $1 that are due
 // again (and match filter), lowest offsets first, locked unless another claimer has them;
@@ -37,11 +55,72 @@ const mergeOffsetsSQL = `ON CONFLICT ("group_id", "token", "attempts") DO UPDATE
 // format (the names are never written into a format: a topic may hold a %).
 func dueStepSQL(claims, filter, cond, limit string) string {
 	return `d0 AS (
-	SELECT c."token", c."attempts", c."offsets" FROM ` + claims + ` c
-	WHERE c."group_id" = $1 AND c."visible_at" <= now()` + filter + cond + `
+	SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM ` + claims + ` c
+	WHERE c."group_id" = $1 AND c."visible_at" <= now()` + filter + cond + sameVersionSQL(claims) + `
 	ORDER BY c."offsets"[1] LIMIT ` + limit + `
 	FOR UPDATE SKIP LOCKED
-), d1 AS (
+), ` + dueTailSQL(limit)
+}
+
+// sameVersionSQL is the due steps' condition that a row c locked is the version the
+// statement's snapshot sees: FOR UPDATE locks a row's newest version and checks the
+// conditions again on it, and a version written after the snapshot was taken (another
+// claimer took part of the row, its holder settled or extended it) is one that the move out
+// of its offsets (moveOutSQL), which changes rows by their address as of the snapshot, would
+// not find. Such a row is left for the next claim. claims is a placeholder of the caller's
+// format.
+func sameVersionSQL(claims string) string {
+	return `
+	  AND c.ctid = (SELECT v.ctid FROM ` + claims + ` v WHERE v."group_id" = $1 AND v."token" = c."token" AND v."attempts" = c."attempts")`
+}
+
+// claimsLeaseIndexSQL is the index of the held claims' lease deadlines, read by DueRecent
+// (dueRecentStepSQL): its key is leaseDeadlineSQL, the deadline of a held row (positive
+// token) and NULL for a row no one holds. Its placeholders are its name and the claims table.
+var claimsLeaseIndexSQL = `CREATE INDEX IF NOT EXISTS %s ON %s (` + leaseDeadlineSQL("") + `)`
+
+// leaseDeadlineSQL is the key of the leases index: a row's lease deadline if someone holds it.
+// A condition on it can be served by that index only: neither the primary key nor any other
+// index of the claims table has it, so the planner cannot read the group's range of the key
+// instead (which it may prefer, expecting a row or two of the group, and which holds every dead
+// version). alias qualifies the columns when it is not "" (a row of the claims table as c:
+// "c.").
+func leaseDeadlineSQL(alias string) string {
+	return `(CASE WHEN ` + alias + `"token" > 0 THEN ` + alias + `"visible_at" END)`
+}
+
+// recentWindowSQL is offsets.RecentWindow as an interval literal.
+var recentWindowSQL = fmt.Sprintf("interval '%d milliseconds'", RecentWindow.Milliseconds())
+
+// dueRecentStepSQL is dueStepSQL for DueRecent: d0 is the rows given back that are due (d0g,
+// the negative tokens' range of the primary key) and the held rows whose lease ran out within
+// the last RecentWindow (d0l, a range of the leases index, claimsLeaseIndexSQL), each lowest
+// offsets first and locked unless another claimer has them. d0l names its group as
+// "group_id" + 0, which no index serves, so that the leases index is the only one its
+// conditions can use (see leaseDeadlineSQL); the index holds the deadlines of every group of
+// the topic, whose window it reads. A lease that ran out earlier is not read: the versions of
+// the held claims settled while vacuum is held back lie at their deadlines in that index, and
+// the window reads those of a few seconds only.
+func dueRecentStepSQL(claims, cond, limit string) string {
+	return `d0g AS (
+	SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM ` + claims + ` c
+	WHERE c."group_id" = $1 AND c."visible_at" <= now()` + givenBackSQL + cond + sameVersionSQL(claims) + `
+	ORDER BY c."offsets"[1] LIMIT ` + limit + `
+	FOR UPDATE SKIP LOCKED
+), d0l AS (
+	SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM ` + claims + ` c
+	WHERE c."group_id" + 0 = $1 AND ` + leaseDeadlineSQL("c.") + ` <= now()
+	  AND ` + leaseDeadlineSQL("c.") + ` > now() - ` + recentWindowSQL + cond + sameVersionSQL(claims) + `
+	ORDER BY c."offsets"[1] LIMIT ` + limit + `
+	FOR UPDATE SKIP LOCKED
+), d0 AS (
+	SELECT * FROM d0g UNION ALL SELECT * FROM d0l
+), ` + dueTailSQL(limit)
+}
+
+// dueTailSQL is the end of the due steps, from d0 on: d1 and due.
+func dueTailSQL(limit string) string {
+	return `d1 AS (
 	SELECT d0.*, sum(cardinality(d0."offsets")) OVER (ORDER BY d0."offsets"[1] ROWS UNBOUNDED PRECEDING) AS upto FROM d0
 ), due AS (
 	SELECT x.o AS "offset", d1."token", d1."attempts" FROM d1,
@@ -51,19 +130,23 @@ func dueStepSQL(claims, filter, cond, limit string) string {
 
 // moveOutSQL takes the due offsets taken again (r, with their attempt counts one up) out of
 // their rows (d1): mv groups them by row, rdel deletes a row left empty, rupd keeps the rest
-// of the others. claims is a placeholder of the caller's format.
+// of the others. Both find the rows by their address (d1.r, the version the due step locked
+// and the snapshot sees: sameVersionSQL), a TID scan: joined to mv by their key instead, the
+// planner, which expects a row or two of the group, read every entry of the group's range of
+// the key, with the dead versions a held snapshot keeps, at every claim that looked at the
+// claims due again. claims is a placeholder of the caller's format.
 func moveOutSQL(claims string) string {
 	return `mv AS (
 	SELECT r."token", r."attempts" - 1 AS "attempts", array_agg(r."offset") AS gone FROM r GROUP BY r."token", r."attempts"
+), mvr AS (
+	SELECT d1.r, d1."offsets", mv.gone, cardinality(d1."offsets") = cardinality(mv.gone) AS whole
+	FROM mv JOIN d1 ON d1."token" = mv."token" AND d1."attempts" = mv."attempts"
 ), rdel AS (
-	DELETE FROM ` + claims + ` c USING mv, d1
-	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
-	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") = cardinality(mv.gone)
+	DELETE FROM ` + claims + ` c WHERE c.ctid = ANY (ARRAY(SELECT mvr.r FROM mvr WHERE mvr.whole))
 ), rupd AS (
-	UPDATE ` + claims + ` c SET "offsets" = ARRAY(SELECT o FROM unnest(d1."offsets") o WHERE o <> ALL (mv.gone))
-	FROM mv, d1
-	WHERE c."group_id" = $1 AND c."token" = mv."token" AND c."attempts" = mv."attempts"
-	  AND d1."token" = mv."token" AND d1."attempts" = mv."attempts" AND cardinality(d1."offsets") > cardinality(mv.gone)
+	UPDATE ` + claims + ` c SET "offsets" = ARRAY(SELECT o FROM unnest(mvr."offsets") o WHERE o <> ALL (mvr.gone))
+	FROM mvr
+	WHERE c.ctid = ANY (ARRAY(SELECT mvr.r FROM mvr WHERE NOT mvr.whole)) AND c.ctid = mvr.r
 )`
 }
 
@@ -71,8 +154,9 @@ func moveOutSQL(claims string) string {
 // under token $2 (parameters: lease mode $3 the lease in ms, $5 the delayed messages it may
 // pass; advisory mode $3 the lock key1, $5 the offsets whose locks the session holds already,
 // $6 the delayed messages it may pass):
-//   - d0, d1, due (only with due): rows of the group that are due again (their lease ran out,
-//     or they were nacked or released and their backoff passed), lowest offsets first; SKIP
+//   - d0, d1, due (not with DueNone): rows of the group that are due again (with DueAll:
+//     their lease ran out; with DueGivenBack or DueAll: they were nacked or released and their
+//     backoff passed, or are delayed messages whose time came), lowest offsets first; SKIP
 //     LOCKED leaves those another claimer is taking. due is one line per offset, up to $4 in
 //     all: the last row it reaches may be taken in part.
 //   - g: if that left room and a message is waiting, the group row, locked (it serialises the
@@ -96,7 +180,7 @@ func moveOutSQL(claims string) string {
 // (TestClaimsKeepGenericPlans).
 //
 // with and cond are the asynchronous-commit prefix and condition of pgTopic.
-func claimSQL(t Tables, with, cond string, due, locked bool) string {
+func claimSQL(t Tables, with, cond string, due Due, locked bool) string {
 	limit, pass := "$4", "$5"
 	held := `(SELECT clock_timestamp() + $3::float8 * interval '1 millisecond')`
 	taken := `due`
@@ -109,9 +193,14 @@ func claimSQL(t Tables, with, cond string, due, locked bool) string {
 	}
 	var b []byte
 	b = fmt.Appendf(b, "%s", with)
-	if due {
+	switch due {
+	case DueAll:
 		b = fmt.Appendf(b, dueStepSQL("%[1]s", "", "%[2]s", "%[3]s"), t.Claims, cond, limit)
-	} else {
+	case DueGivenBack:
+		b = fmt.Appendf(b, dueStepSQL("%[1]s", givenBackSQL, "%[2]s", "%[3]s"), t.Claims, cond, limit)
+	case DueRecent:
+		b = fmt.Appendf(b, dueRecentStepSQL("%[1]s", "%[2]s", "%[3]s"), t.Claims, cond, limit)
+	default:
 		b = append(b, `due AS (SELECT NULL::bigint AS "offset", NULL::bigint AS "token", NULL::integer AS "attempts" WHERE false)`...)
 	}
 	b = fmt.Appendf(b, `, g AS (
@@ -141,7 +230,7 @@ func claimSQL(t Tables, with, cond string, due, locked bool) string {
 	b = fmt.Appendf(b, `, r AS (
 	SELECT due."offset", due."token", due."attempts" + 1 AS "attempts" FROM %s
 )`, taken)
-	if due {
+	if due != DueNone {
 		b = fmt.Appendf(b, ", "+moveOutSQL("%[1]s"), t.Claims)
 	}
 	b = fmt.Appendf(b, `, ins AS (
@@ -328,9 +417,11 @@ const orderKeySQL = `CASE WHEN m."metadata" ? '` + MetaOrderKey + `' THEN hashte
 //   - cl, busy: the group's rows, and the keys of its unsettled messages that are not parked
 //     (their metadata read by offset);
 //   - due (as in claimSQL): offsets due again, which are first of their key by the above;
-//   - h: parked messages first of their key (in the group's order) whose key is not busy, up
-//     to the room the due ones left; those whose time has not come (delayed) become a row due
-//     at their time instead of being handed out;
+//   - h: parked messages first of their key (in the group's order: the lowest token of the
+//     key's parked rows, parkedTokenSQL) whose key is not busy, up to the room the due ones
+//     left, taken in the group's order; those whose time has not come (delayed) become a row
+//     due at their time instead of being handed out. Only the messages of these few rows are
+//     read, and their rows are deleted by their primary key;
 //   - m0, m1, m: new messages, up to the room left plus $5 passed: a message with a key is
 //     parked when its key is busy, has parked messages, or came earlier in this claim; up to
 //     $6 parked rows, no new message is read, so that the parked ones, which every claim
@@ -347,15 +438,17 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 	FROM cl, unnest(cl."offsets") x(o), `+byOffsetSQL("m", "x.o")+`
 	WHERE cl."order_key" IS NULL AND m."metadata" ? '`+MetaOrderKey+`'
 ), `+dueStepSQL("%[3]s", ` AND c."order_key" IS NULL`, "%[5]s", "$4")+`, h0 AS (
-	SELECT DISTINCT ON (cl."order_key") cl."token", cl."offsets"[1] AS o, cl."order_key" AS k, m."xid",
-		CASE WHEN m."deliver_at" > now() THEN m."deliver_at" END AS later
-	FROM cl, `+byOffsetSQL("m", `cl."offsets"[1]`)+`
+	SELECT DISTINCT ON (cl."order_key") cl."token", cl."offsets"[1] AS o, cl."order_key" AS k
+	FROM cl
 	WHERE cl."order_key" IS NOT NULL AND cl."order_key" NOT IN (SELECT k FROM busy)
-	ORDER BY cl."order_key", m."xid", m."offset"
+	ORDER BY cl."order_key", cl."token"
 ), h AS (
-	SELECT * FROM h0 ORDER BY h0."xid", h0.o LIMIT greatest($4 - (SELECT count(*) FROM due), 0)
+	SELECT h0."token", h0.o, h0.k, m."xid", CASE WHEN m."deliver_at" > now() THEN m."deliver_at" END AS later
+	FROM h0, `+byOffsetSQL("m", "h0.o")+`
+	ORDER BY m."xid", h0.o LIMIT greatest($4 - (SELECT count(*) FROM due), 0)
 ), hdel AS (
-	DELETE FROM %[3]s c USING h WHERE c."group_id" = $1 AND c."token" = h."token" AND c."attempts" = 0
+	DELETE FROM %[3]s c
+	WHERE c."group_id" = $1 AND c."token" = ANY (ARRAY(SELECT h."token" FROM h)) AND c."attempts" = 0
 ), room AS (
 	SELECT $4 - (SELECT count(*) FROM due) - (SELECT count(*) FROM h WHERE h.later IS NULL) AS n
 ), g AS (
@@ -399,7 +492,7 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 	UNION ALL
 	SELECT $1, `+unheldTokenSQL+`, 0, m."later", ARRAY[m."offset"], NULL FROM m WHERE m.cls = 'd'
 	UNION ALL
-	SELECT $1, `+unheldTokenSQL+`, 0, 'infinity', ARRAY[m."offset"], m.k FROM m WHERE m.cls = 'p'
+	SELECT $1, `+parkedTokenSQL+`, 0, 'infinity', ARRAY[m."offset"], m.k FROM m WHERE m.cls = 'p'
 ), upd AS (
 	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
 	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l

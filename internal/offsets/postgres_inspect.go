@@ -43,9 +43,10 @@ ORDER BY g."consumer_group"
 LIMIT $2`
 
 // claimsSQL lists claims one line per offset; a claim no one holds (a negative token) reads
-// as token 0.
+// as token 0. Held advisory claims and parked ones both have no deadline ('infinity'); only
+// parked ones have an order key.
 const claimsSQL = `SELECT g."consumer_group", x.o, c."attempts", greatest(c."token", 0),
-	c."visible_at" = 'infinity',
+	c."visible_at" = 'infinity' AND c."order_key" IS NULL, c."order_key" IS NOT NULL,
 	CASE WHEN c."visible_at" = 'infinity' THEN 0 ELSE extract(epoch FROM c."visible_at" - now())::float8 END
 FROM %[1]s c JOIN %[2]s g ON g."group_id" = c."group_id", unnest(c."offsets") x(o)
 ORDER BY g."consumer_group", x.o

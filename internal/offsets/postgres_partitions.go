@@ -72,6 +72,18 @@ const closedCommentPrefix = "sqlbroker: messages before "
 // pending, and the next pass completes it.
 const detachLockTimeout = "2s"
 
+// finalizeLockTimeout bounds the wait of DETACH PARTITION ... FINALIZE, which completes a
+// detach that a transaction outlasted. It asks for an ACCESS EXCLUSIVE lock on the partition,
+// and while it waits every claim of the topic waits behind it (a claim's plan locks each
+// partition), so it runs only when no other session holds a lock on the partition, and waits
+// for one that takes one meanwhile only this long.
+const finalizeLockTimeout = "50ms"
+
+// errPartitionInUse says that another session holds a lock on a partition whose detach is
+// pending (a long transaction that read the table before the detach began): the detach stays
+// pending, and a later pass completes it.
+var errPartitionInUse = errors.New("offsets: a partition whose detach is pending is still in use")
+
 // extendFnSQL is the function that adds partitions to the messages table: given the number
 // of rows about to be written (n_rows) and the fewest offsets of a partition (n_least), it
 // adds partitions until they reach n_rows plus two partitions past the next offset of the
@@ -309,6 +321,9 @@ func (s postgres) maintain(ctx context.Context, st *partState, c dbx.Querier, op
 	if err := dbx.QueryRowWrite(ctx, c, t.addPartitionsSQL(), []any{int64(0), int64(PartitionSize)}, &top); err != nil {
 		return res, fmt.Errorf("adding partitions: %w", err)
 	}
+	if err := s.analyzeGrown(ctx, c); err != nil {
+		return res, fmt.Errorf("analyzing the claims table: %w", err)
+	}
 	// Which offsets are final: the pair (s, w) of the last pass, if the transactions that were
 	// running when it was taken have ended; then a new pair.
 	deadline := time.Now().Add(opts.Wait)
@@ -448,9 +463,20 @@ WHERE "group_id" = $1 AND "floor_offset" < $2 AND ("last_xid", "last_offset") >=
 	if len(cands) == 0 && len(orphans) == 0 {
 		return res, nil
 	}
-	held, err := s.heldPartitions(ctx, c, cands)
-	if err != nil {
-		return res, err
+	// A pending detach goes on whatever the claims hold (its messages are passed and
+	// settled: the claims were checked when it began); the others are checked here, which
+	// reads the claims table whole, so only when there is one.
+	var fresh []partition
+	for _, p := range cands {
+		if !p.pending {
+			fresh = append(fresh, p)
+		}
+	}
+	held := map[int64]bool{}
+	if len(fresh) > 0 {
+		if held, err = s.heldPartitions(ctx, c, fresh); err != nil {
+			return res, err
+		}
 	}
 	var locked bool
 	if err := dbx.QueryRow(ctx, c, `SELECT pg_try_advisory_lock($1::int4, $2::int4)`, []any{MaintainLockKey1, t.lockKey2()}, &locked); err != nil {
@@ -489,7 +515,7 @@ WHERE "group_id" = $1 AND "floor_offset" < $2 AND ("last_xid", "last_offset") >=
 			continue
 		}
 		n, err := s.dropPartition(ctx, c, p)
-		if dbx.SQLState(err) == dbx.CodeLockNotAvailable {
+		if dbx.SQLState(err) == dbx.CodeLockNotAvailable || errors.Is(err, errPartitionInUse) {
 			// A transaction that uses the table outlasted the detach's wait: the detach
 			// stays pending, and a later pass completes it.
 			res.Waiting = true
@@ -503,6 +529,30 @@ WHERE "group_id" = $1 AND "floor_offset" < $2 AND ("last_xid", "last_offset") >=
 		delete(st.last, p.lo)
 	}
 	return res, nil
+}
+
+// analyzeMinPages is the size of the claims table below which analyzeGrown leaves it be: a
+// sequential scan of it costs no more than any other plan.
+const analyzeMinPages = 16
+
+// analyzeGrown analyzes the claims table when it has at least doubled since the server last
+// measured it (and is owned by the session's role). The server plans a prepared statement
+// for the table's size when it first runs it, and keeps that plan until the table's
+// statistics change: a settlement planned while the table was a page or two reads it by a
+// sequential scan, and goes on doing so once settled claims whose versions vacuum may not
+// remove yet (autovacuum off or behind, a transaction holding the xmin horizon) have grown
+// it to thousands of pages, where it reads the rows it changes by their addresses. An
+// ANALYZE has those plans made again. It skips a table that autovacuum is processing.
+func (s postgres) analyzeGrown(ctx context.Context, c dbx.Querier) error {
+	var grown bool
+	err := dbx.QueryRow(ctx, c, `SELECT pg_has_role(c.relowner, 'USAGE')
+	AND pg_relation_size(c.oid) / current_setting('block_size')::bigint >= greatest(2 * c.relpages, $2)
+FROM pg_catalog.pg_class c WHERE c.oid = to_regclass($1)`, []any{s.t.Claims, analyzeMinPages}, &grown)
+	if err != nil || !grown {
+		return err
+	}
+	_, err = c.Exec(ctx, "ANALYZE (SKIP_LOCKED) "+s.t.Claims)
+	return err
 }
 
 // partitions lists the partitions of the messages table, with the time of the statement
@@ -601,23 +651,46 @@ WHERE o >= b.lo AND o < b.hi`, s.t.Claims), los, his)
 	return held, rows.Err()
 }
 
-// dropPartition counts the messages of p, detaches it without making claims or publishes
-// wait (CONCURRENTLY; or completes a detach that was interrupted), and drops it.
+// dropPartition detaches p without making claims or publishes wait (CONCURRENTLY; or
+// completes a detach that was interrupted), counts its messages and drops it.
 func (s postgres) dropPartition(ctx context.Context, c dbx.Querier, p partition) (int64, error) {
 	t := s.t
 	q := ident.Qualified(t.Schema, p.name)
+	if p.pending {
+		// Looked at before the count: a transaction that uses the partition may keep the
+		// detach pending for minutes, and a pass runs every few seconds meanwhile.
+		var used bool
+		if err := dbx.QueryRow(ctx, c, `SELECT EXISTS (SELECT 1 FROM pg_locks l
+			WHERE l.locktype = 'relation' AND l.relation = $1::regclass AND l.pid <> pg_backend_pid())`, []any{q}, &used); err != nil {
+			return 0, fmt.Errorf("looking for sessions using partition %s: %w", q, err)
+		}
+		if used {
+			return 0, errPartitionInUse
+		}
+	}
+	switch {
+	case p.detached:
+	case p.pending:
+		if _, err := c.Exec(ctx, `SELECT set_config('lock_timeout', $1, false)`, finalizeLockTimeout); err != nil {
+			return 0, err
+		}
+		_, err := c.Exec(ctx, fmt.Sprintf("ALTER TABLE %s DETACH PARTITION %s FINALIZE", t.Messages, q))
+		if _, rerr := c.Exec(ctx, `SELECT set_config('lock_timeout', $1, false)`, detachLockTimeout); err == nil {
+			err = rerr
+		}
+		if err != nil {
+			return 0, fmt.Errorf("detaching partition %s: %w", q, err)
+		}
+	default:
+		if _, err := c.Exec(ctx, fmt.Sprintf("ALTER TABLE %s DETACH PARTITION %s CONCURRENTLY", t.Messages, q)); err != nil {
+			return 0, fmt.Errorf("detaching partition %s: %w", q, err)
+		}
+	}
+	// Counted once detached, not before: a detach that has to wait would count it again at
+	// every pass.
 	var n int64
 	if err := dbx.QueryRow(ctx, c, fmt.Sprintf(`SELECT count(*) FROM %s`, q), nil, &n); err != nil {
 		return 0, fmt.Errorf("counting the messages of partition %s: %w", q, err)
-	}
-	how := "CONCURRENTLY"
-	if p.pending {
-		how = "FINALIZE"
-	}
-	if !p.detached {
-		if _, err := c.Exec(ctx, fmt.Sprintf("ALTER TABLE %s DETACH PARTITION %s %s", t.Messages, q, how)); err != nil {
-			return 0, fmt.Errorf("detaching partition %s: %w", q, err)
-		}
 	}
 	if _, err := c.Exec(ctx, "DROP TABLE "+q); err != nil {
 		return 0, fmt.Errorf("dropping partition %s: %w", q, err)

@@ -36,8 +36,11 @@ func (e *VersionError) Error() string {
 	if e.Found == sqliteNoDeliverAt {
 		return fmt.Sprintf("topic %q: table %s carries schema version v%d without its deliver_at column (delayed messages), which this library needs: set InitializeSchema: true, which adds the column in place", e.Topic, e.Table, e.Want)
 	}
+	if e.Found == sqliteNoOrderKey {
+		return fmt.Sprintf("topic %q: table %s lacks its order_key column (order by key), which this library needs: set InitializeSchema: true, which adds the column in place", e.Topic, e.Table)
+	}
 	if upgradable(e.Found) {
-		return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: stop the consumers and publishers of the older library, then set InitializeSchema: true, or run the SQL of sqlbroker.SchemaSQL(%q, ...) in a migration (it upgrades v1 to v3 tables in place)", e.Topic, e.Table, e.Found, e.Want, e.Topic)
+		return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: stop the consumers and publishers of the older library, then set InitializeSchema: true, or run the SQL of sqlbroker.SchemaSQL(%q, ...) in a migration (it upgrades the tables of earlier versions in place)", e.Topic, e.Table, e.Found, e.Want, e.Topic)
 	}
 	return fmt.Sprintf("topic %q: table %s carries schema version %q, this library needs v%d: migrate the tables or use the matching library version", e.Topic, e.Table, e.Found, e.Want)
 }
@@ -78,7 +81,7 @@ func (t Tables) Check(ctx context.Context, q dbx.Querier) error {
 // isUpgradable reports whether err is a VersionError for tables that SchemaSQL upgrades.
 func isUpgradable(err error) bool {
 	var v *VersionError
-	return errors.As(err, &v) && (upgradable(v.Found) || v.Found == sqliteNoDeliverAt)
+	return errors.As(err, &v) && (upgradable(v.Found) || v.Found == sqliteNoDeliverAt || v.Found == sqliteNoOrderKey)
 }
 
 // upgradable reports whether found is the comment of PostgreSQL tables that SchemaSQL upgrades.

@@ -36,7 +36,7 @@ func TestSettle_L3_concurrentChangeIsNotARefusal(t *testing.T) {
 			// hold the new messages back for a while.
 			var cs []offsets.Claimed
 			testdb.Eventually(t, 30*time.Second, "both messages claimed", func() bool {
-				got, err := store.Claim(ctx, db, gid, token, time.Minute, 2-len(cs), false, nil)
+				got, err := store.Claim(ctx, db, gid, token, time.Minute, 2-len(cs), offsets.DueNone, nil)
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -70,16 +70,26 @@ func (sqlite) schemaSQL(t Tables) string {
 	"updated_at"     INTEGER NOT NULL
 );
 `, t.Groups, topicCommentPrefix, t.Topic)
+	// order_key is the order key of a claim of a group ordered by key (the metadata's
+	// MetaOrderKey, as text), NULL for a message without one and in a group that is not
+	// ordered; its index serves the ordered claim (see claimOrderedIn).
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %s (
 	"group_id"   INTEGER NOT NULL,
 	"offset"     INTEGER NOT NULL,
 	"token"      INTEGER NOT NULL,
 	"visible_at" INTEGER NOT NULL,
 	"attempts"   INTEGER NOT NULL,
+	"order_key"  TEXT,
 	PRIMARY KEY ("group_id", "offset")
 ) WITHOUT ROWID;
-`, t.Claims)
+CREATE INDEX IF NOT EXISTS %s ON %s ("group_id", "order_key", "visible_at") WHERE "order_key" IS NOT NULL;
+`, t.Claims, sqliteKeyIndex(t), t.Claims)
 	return b.String()
+}
+
+// sqliteKeyIndex names the index of the claims table by order key.
+func sqliteKeyIndex(t Tables) string {
+	return ident.Quote(ident.SQLiteTableName(t.prefix, t.Topic, "_c_key"))
 }
 
 // createIn runs the DDL in the caller's write transaction: BEGIN IMMEDIATE holds the
@@ -87,45 +97,62 @@ func (sqlite) schemaSQL(t Tables) string {
 // does.
 //
 // Tables written before delayed messages came to SQLite carry the same version without the
-// messages table's deliver_at column (sqliteNoDeliverAt): the column is added here. SQLite
-// adds a nullable column without a default by changing only the table's DDL, whatever the
-// number of rows, and every row reads NULL: not delayed. SchemaSQL cannot do it, as SQLite
-// has neither ADD COLUMN IF NOT EXISTS nor conditional DDL.
+// messages table's deliver_at column (sqliteNoDeliverAt), and those written before order by
+// key came to SQLite without the claims table's order_key column (sqliteNoOrderKey): the
+// columns are added here, before the DDL, whose index reads order_key. SQLite adds a nullable
+// column without a default by changing only the table's DDL, whatever the number of rows, and
+// every row reads NULL: not delayed, no order key (a claim of a group that was not ordered).
+// SchemaSQL cannot do it, as SQLite has neither ADD COLUMN IF NOT EXISTS nor conditional DDL.
 func (db sqlite) createIn(ctx context.Context, t Tables, tx dbx.Querier) error {
-	upgrade := false
 	if err := db.check(ctx, t, tx, true); err != nil {
 		var v *VersionError
-		if !errors.As(err, &v) || v.Found != sqliteNoDeliverAt {
+		if !errors.As(err, &v) || v.Found != sqliteNoDeliverAt && v.Found != sqliteNoOrderKey {
 			return err
 		}
-		upgrade = true
+		var noDeliverAt, noOrderKey int64
+		if err := dbx.QueryRow(ctx, tx, `SELECT
+	NOT EXISTS (SELECT 1 FROM pragma_table_info(?) WHERE name = 'deliver_at'),
+	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ? COLLATE NOCASE)
+	  AND NOT EXISTS (SELECT 1 FROM pragma_table_info(?) WHERE name = 'order_key')`,
+			[]any{t.MessagesName, t.ClaimsName, t.ClaimsName}, &noDeliverAt, &noOrderKey); err != nil {
+			return err
+		}
+		if noDeliverAt != 0 {
+			if _, err := tx.Exec(ctx, fmt.Sprintf(`ALTER TABLE %s ADD COLUMN "deliver_at" INTEGER`, t.Messages)); err != nil {
+				return err
+			}
+		}
+		if noOrderKey != 0 {
+			if _, err := tx.Exec(ctx, fmt.Sprintf(`ALTER TABLE %s ADD COLUMN "order_key" TEXT`, t.Claims)); err != nil {
+				return err
+			}
+		}
 	}
-	if _, err := tx.Exec(ctx, db.schemaSQL(t)); err != nil {
-		return err
-	}
-	if upgrade {
-		_, err := tx.Exec(ctx, fmt.Sprintf(`ALTER TABLE %s ADD COLUMN "deliver_at" INTEGER`, t.Messages))
-		return err
-	}
-	return nil
+	_, err := tx.Exec(ctx, db.schemaSQL(t))
+	return err
 }
 
 // sqliteNoDeliverAt is the VersionError.Found of a SQLite messages table that carries this
 // schema version without its deliver_at column, which InitializeSchema adds.
 var sqliteNoDeliverAt = fmt.Sprintf("%s%d without deliver_at", schemaCommentPrefix, SQLiteSchemaVersion)
 
+// sqliteNoOrderKey is the VersionError.Found of SQLite tables that carry this schema version
+// without the claims table's order_key column, which InitializeSchema adds.
+var sqliteNoOrderKey = fmt.Sprintf("%s%d without order_key", schemaCommentPrefix, SQLiteSchemaVersion)
+
 // check reads the catalog as SQLite resolves a table name: without regard to (ASCII)
 // case, so that it finds the table CREATE TABLE IF NOT EXISTS would find.
 func (sqlite) check(ctx context.Context, t Tables, q dbx.Querier, missingOK bool) error {
-	var m, g, c, deliverAt int64
+	var m, g, c, deliverAt, orderKey int64
 	var ddl string
 	err := dbx.QueryRow(ctx, q, `SELECT
 	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ? COLLATE NOCASE),
 	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ? COLLATE NOCASE),
 	EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ? COLLATE NOCASE),
 	coalesce((SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ? COLLATE NOCASE), ''),
-	EXISTS (SELECT 1 FROM pragma_table_info(?) WHERE name = 'deliver_at')`,
-		[]any{t.MessagesName, t.GroupsName, t.ClaimsName, t.MessagesName, t.MessagesName}, &m, &g, &c, &ddl, &deliverAt)
+	EXISTS (SELECT 1 FROM pragma_table_info(?) WHERE name = 'deliver_at'),
+	EXISTS (SELECT 1 FROM pragma_table_info(?) WHERE name = 'order_key')`,
+		[]any{t.MessagesName, t.GroupsName, t.ClaimsName, t.MessagesName, t.MessagesName, t.ClaimsName}, &m, &g, &c, &ddl, &deliverAt, &orderKey)
 	if err != nil {
 		return err
 	}
@@ -155,6 +182,9 @@ func (sqlite) check(ctx context.Context, t Tables, q dbx.Querier, missingOK bool
 			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: sqliteNoDeliverAt, Want: SQLiteSchemaVersion}
 		}
 	}
+	if c != 0 && orderKey == 0 {
+		return &VersionError{Topic: t.Topic, Table: t.Claims, Found: sqliteNoOrderKey, Want: SQLiteSchemaVersion}
+	}
 	return nil
 }
 
@@ -178,6 +208,14 @@ type sqliteTopic struct {
 	nackPrefix   string
 	relPrefix    string
 	extPrefix    string
+
+	// The claim of a group ordered by key (claimOrdered).
+	ordPeekSQL  string // is anything new, due or free to go, without the write lock
+	ordPosSQL   string // positionSQL with the count of parked claims
+	ordDueSQL   string // dueSQL without parked claims
+	unparkSQL   string
+	ordReadSQL  string // readNewSQL with each message's order key, and whether it has claims
+	ordClaimSQL string // insClaimsSQL with the order key, and the parked messages given
 }
 
 // prepare: asyncCommit does not apply (a commit waits for what synchronous says).
@@ -203,11 +241,16 @@ SELECT ?1, m."offset",
 	CASE WHEN m."deliver_at" > ?4 THEN 0 ELSE 1 END
 FROM %[2]s m WHERE m."offset" > ?5 AND m."offset" <= ?6`, t.Claims, t.Messages, sqliteNow)
 	s.advanceSQL = fmt.Sprintf(`UPDATE %s SET "last_offset" = ?, "updated_at" = %s WHERE "group_id" = ?`, t.Groups, sqliteNow)
-	s.dueSQL = fmt.Sprintf(`UPDATE %[1]s SET "token" = ?, "visible_at" = %[2]s + ?, "attempts" = "attempts" + 1
+	dueSQL := func(cond string) string {
+		return fmt.Sprintf(`UPDATE %[1]s SET "token" = ?, "visible_at" = %[2]s + ?, "attempts" = "attempts" + 1
 WHERE "group_id" = ? AND "offset" IN (
-	SELECT "offset" FROM %[1]s WHERE "group_id" = ? AND "visible_at" <= %[2]s ORDER BY "offset" LIMIT ?
+	SELECT "offset" FROM %[1]s WHERE "group_id" = ? AND "visible_at" <= %[2]s%[3]s ORDER BY "offset" LIMIT ?
 )
-RETURNING "offset", "attempts"`, t.Claims, sqliteNow)
+RETURNING "offset", "attempts"`, t.Claims, sqliteNow, cond)
+	}
+	// A parked claim (sqliteParked) reads as due to this claim, which does not know order by
+	// key: a group whose subscribers stop ordering by key delivers its parked messages.
+	s.dueSQL = dueSQL("")
 	s.readSQL = fmt.Sprintf(`SELECT "offset", "uuid", "payload", "metadata" FROM %s WHERE "offset" IN (`, t.Messages)
 	s.insertPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata") VALUES `, t.Messages)
 	s.insDelPrefix = fmt.Sprintf(`INSERT INTO %s ("uuid", "payload", "metadata", "deliver_at") VALUES `, t.Messages)
@@ -216,6 +259,7 @@ VALUES (?, CASE WHEN ? THEN coalesce((SELECT max("offset") FROM %[2]s), 0) ELSE 
 ON CONFLICT ("consumer_group") DO NOTHING
 RETURNING "group_id"`, t.Groups, t.Messages, sqliteNow)
 	s.lookupGrpSQL = fmt.Sprintf(`SELECT "group_id" FROM %s WHERE "consumer_group" = ?`, t.Groups)
+	s.prepareOrdered(dueSQL(` AND "visible_at" >= 0`))
 	s.pruneSQL = fmt.Sprintf(`DELETE FROM %[2]s WHERE "offset" IN (
 	SELECT d."offset" FROM %[2]s d
 	WHERE d."offset" <= (SELECT min("last_offset") FROM %[1]s)
@@ -253,11 +297,12 @@ func (s sqlite) ensureGroup(ctx context.Context, q dbx.Querier, group string, st
 
 // claim runs one claim. A look without the write lock comes first: an idle poll (nothing new,
 // nothing due) writes nothing and waits for no writer. Otherwise one write transaction takes
-// the due claims again under token (with due), then new messages after the group's position,
-// which it advances.
-func (s sqlite) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
+// the due claims again under token (unless due is DueNone), then new messages after the
+// group's position, which it advances. DueGivenBack takes lost leases back too, as DueAll
+// does: no snapshot keeps the rows of settled claims alive here, so the look costs the same.
+func (s sqlite) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due Due, out []Claimed) ([]Claimed, error) {
 	var waiting, dueAny int64
-	if err := dbx.QueryRow(ctx, q, s.peekSQL, []any{due, groupID}, &waiting, &dueAny); err != nil {
+	if err := dbx.QueryRow(ctx, q, s.peekSQL, []any{due != DueNone, groupID}, &waiting, &dueAny); err != nil {
 		if errors.Is(err, dbx.ErrNoRows) {
 			return out, fmt.Errorf("offsets: consumer group %d has no row", groupID)
 		}
@@ -269,7 +314,7 @@ func (s sqlite) claim(ctx context.Context, q dbx.Querier, groupID int32, token i
 	start := len(out)
 	err := dbx.InSQLiteTx(ctx, q, func(tx dbx.Querier) error {
 		var err error
-		out, err = s.claimIn(ctx, tx, groupID, token, ttl, limit, pass, due && dueAny != 0, out)
+		out, err = s.claimIn(ctx, tx, groupID, token, ttl, limit, pass, due != DueNone && dueAny != 0, out)
 		return err
 	})
 	if err != nil {
@@ -285,50 +330,12 @@ func (s sqlite) claim(ctx context.Context, q dbx.Querier, groupID int32, token i
 func (s sqlite) claimIn(ctx context.Context, tx dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
 	lease := msInt(ttl)
 	if due {
-		rows, err := dbx.QueryWrite(ctx, tx, s.dueSQL, token, lease, groupID, groupID, limit)
-		if err != nil {
+		n := len(out)
+		var err error
+		if out, err = s.claimDue(ctx, tx, s.dueSQL, groupID, token, lease, limit, out); err != nil {
 			return out, err
 		}
-		attempts := map[int64]int{}
-		var offs []int64
-		for rows.Next() {
-			var off, att int64
-			if err := rows.Scan(&off, &att); err != nil {
-				rows.Close()
-				return out, err
-			}
-			attempts[off] = int(att)
-			offs = append(offs, off)
-		}
-		rows.Close()
-		if err := rows.Err(); err != nil {
-			return out, err
-		}
-		if len(offs) > 0 {
-			sort.Slice(offs, func(i, j int) bool { return offs[i] < offs[j] })
-			args := make([]any, len(offs))
-			for i, o := range offs {
-				args[i] = o
-			}
-			rows, err := tx.Query(ctx, s.readSQL+placeholders(len(offs))+`) ORDER BY "offset"`, args...)
-			if err != nil {
-				return out, err
-			}
-			for rows.Next() {
-				var c Claimed
-				if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata); err != nil {
-					rows.Close()
-					return out, err
-				}
-				c.Attempts, c.Again = attempts[c.Offset], true
-				out = append(out, c)
-			}
-			rows.Close()
-			if err := rows.Err(); err != nil {
-				return out, err
-			}
-			limit -= len(offs)
-		}
+		limit -= len(out) - n
 	}
 	if limit <= 0 {
 		return out, nil
@@ -371,6 +378,61 @@ func (s sqlite) claimIn(ctx context.Context, tx dbx.Querier, groupID int32, toke
 		return out, err
 	}
 	return out, nil
+}
+
+// claimDue takes the claims of the group that are due again under token (sql: dueSQL or
+// ordDueSQL), up to limit, and appends them to out in offset order.
+func (s sqlite) claimDue(ctx context.Context, tx dbx.Querier, sql string, groupID int32, token, lease int64, limit int, out []Claimed) ([]Claimed, error) {
+	rows, err := dbx.QueryWrite(ctx, tx, sql, token, lease, groupID, groupID, limit)
+	if err != nil {
+		return out, err
+	}
+	attempts := map[int64]int{}
+	var offs []int64
+	for rows.Next() {
+		var off, att int64
+		if err := rows.Scan(&off, &att); err != nil {
+			rows.Close()
+			return out, err
+		}
+		attempts[off] = int(att)
+		offs = append(offs, off)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return out, err
+	}
+	return s.readClaimed(ctx, tx, offs, attempts, true, out)
+}
+
+// readClaimed appends the messages of offs to out in offset order, with their attempt counts
+// (attempts, by offset; 1 where it has none) and again.
+func (s sqlite) readClaimed(ctx context.Context, tx dbx.Querier, offs []int64, attempts map[int64]int, again bool, out []Claimed) ([]Claimed, error) {
+	if len(offs) == 0 {
+		return out, nil
+	}
+	sort.Slice(offs, func(i, j int) bool { return offs[i] < offs[j] })
+	args := make([]any, len(offs))
+	for i, o := range offs {
+		args[i] = o
+	}
+	rows, err := tx.Query(ctx, s.readSQL+placeholders(len(offs))+`) ORDER BY "offset"`, args...)
+	if err != nil {
+		return out, err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var c Claimed
+		if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata); err != nil {
+			return out, err
+		}
+		c.Attempts, c.Again = 1, again
+		if a, ok := attempts[c.Offset]; ok {
+			c.Attempts = a
+		}
+		out = append(out, c)
+	}
+	return out, rows.Err()
 }
 
 // unixMilliCeil is t in Unix milliseconds, rounded up.
@@ -491,12 +553,217 @@ func (sqlite) heldBack(context.Context, dbx.Querier, int32) (int, error) { retur
 // errNoAdvisoryLocks refuses the advisory claim mode's statements on SQLite.
 var errNoAdvisoryLocks = errors.New("offsets: the advisory claim mode needs advisory locks, which SQLite does not have")
 
-// claimOrdered: SQLite has no claims ordered by key yet.
-func (sqlite) claimOrdered(context.Context, dbx.Beginner, int32, int64, time.Duration, int, int, []Claimed) ([]Claimed, error) {
-	return nil, ErrOrderUnsupported
+// sqliteParked is the visible_at of a parked claim (see claimOrderedIn): below every time,
+// so that it is never taken for a lease or a backoff.
+const sqliteParked = -1
+
+// prepareOrdered makes the statements of the ordered claim; due is dueSQL without the parked
+// claims. Their text is the same at every claim, as SQLite parses each statement it runs.
+func (s *sqliteTopic) prepareOrdered(due string) {
+	t := s.t
+	s.ordDueSQL = due
+	// free: the first parked claim (lowest offset) of every key of group ?1 whose claims are all
+	// parked, read from the index by key.
+	free := fmt.Sprintf(`SELECT min(h."offset") FROM %[1]s h
+	WHERE h."group_id" = ?1 AND h."order_key" IS NOT NULL
+	GROUP BY h."order_key" HAVING max(h."visible_at") < 0`, t.Claims)
+	s.ordPeekSQL = fmt.Sprintf(`SELECT
+	EXISTS (SELECT 1 FROM %[2]s m WHERE m."offset" > g."last_offset"),
+	EXISTS (SELECT 1 FROM %[3]s c WHERE c."group_id" = g."group_id" AND c."visible_at" BETWEEN 0 AND %[4]s),
+	EXISTS (%[5]s)
+FROM %[1]s g WHERE g."group_id" = ?1`, t.Groups, t.Messages, t.Claims, sqliteNow, free)
+	s.ordPosSQL = fmt.Sprintf(`SELECT g."last_offset", %[3]s, (SELECT count(*) FROM (
+	SELECT 1 FROM %[2]s c WHERE c."group_id" = ?1 AND c."order_key" IS NOT NULL AND c."visible_at" < 0 LIMIT ?2))
+FROM %[1]s g WHERE g."group_id" = ?1`, t.Groups, t.Claims, sqliteNow)
+	// ?1 group, ?2 the claim's clock, ?3 token, ?4 lease, ?5 how many. A parked message whose
+	// time has not come (delayed) becomes a claim due at its time with no holder, as a new
+	// delayed message does. The message's row is read by the FROM: RETURNING may not.
+	s.unparkSQL = fmt.Sprintf(`UPDATE %[1]s AS c SET
+	"token" = CASE WHEN m."deliver_at" > ?2 THEN 0 ELSE ?3 END,
+	"visible_at" = CASE WHEN m."deliver_at" > ?2 THEN m."deliver_at" ELSE %[3]s + ?4 END,
+	"attempts" = CASE WHEN m."deliver_at" > ?2 THEN 0 ELSE 1 END
+FROM %[2]s AS m
+WHERE c."group_id" = ?1 AND c."offset" IN (%[4]s ORDER BY 1 LIMIT ?5) AND m."offset" = c."offset"
+RETURNING "offset", "token", "visible_at"`, t.Claims, t.Messages, sqliteNow, free)
+	// A message's order key is its metadata's MetaOrderKey as text (NULL: none, or metadata
+	// that is not JSON); ?k is the JSON path of MetaOrderKey.
+	key := func(k string) string {
+		return `CASE WHEN json_valid(m."metadata") THEN CAST(json_extract(m."metadata", ` + k + `) AS TEXT) END`
+	}
+	// ?1 the claim's clock, ?2 the group's position, ?3 how many, ?4 group, ?5 the key's path;
+	// the last column says whether the group has claims of the message's key.
+	s.ordReadSQL = fmt.Sprintf(`SELECT x."offset", x."uuid", x."payload", x."metadata", x.later, x.k IS NOT NULL, coalesce(x.k, ''),
+	x.k IS NOT NULL AND EXISTS (SELECT 1 FROM %[2]s c WHERE c."group_id" = ?4 AND c."order_key" = x.k)
+FROM (
+	SELECT m."offset", m."uuid", m."payload", m."metadata",
+		coalesce(CASE WHEN m."deliver_at" > ?1 THEN m."deliver_at" END, 0) AS later, %[3]s AS k
+	FROM %[1]s m WHERE m."offset" > ?2 ORDER BY m."offset" LIMIT ?3
+) x
+ORDER BY x."offset"`, t.Messages, t.Claims, key("?5"))
+	// The claim rows of the messages read, offsets ?5 to ?6, with their keys: those in ?8 (a
+	// JSON array of offsets) parked, the delayed ones (as read with the clock ?4) due at their
+	// time with no holder, the others claimed under token ?2 with the lease ?3.
+	s.ordClaimSQL = fmt.Sprintf(`INSERT INTO %[1]s ("group_id", "offset", "token", "visible_at", "attempts", "order_key")
+SELECT ?1, x."offset",
+	CASE WHEN x.parked OR x."deliver_at" > ?4 THEN 0 ELSE ?2 END,
+	CASE WHEN x.parked THEN %[3]d WHEN x."deliver_at" > ?4 THEN x."deliver_at" ELSE %[4]s + ?3 END,
+	CASE WHEN x.parked OR x."deliver_at" > ?4 THEN 0 ELSE 1 END,
+	x.k
+FROM (
+	SELECT m."offset", m."deliver_at", %[5]s AS k, m."offset" IN (SELECT value FROM json_each(?8)) AS parked
+	FROM %[2]s m WHERE m."offset" > ?5 AND m."offset" <= ?6
+) x`, t.Claims, t.Messages, sqliteParked, sqliteNow, key("?7"))
 }
 
-func (sqlite) claimLocked(context.Context, dbx.Querier, int32, int64, int, int, int32, []int64, bool, []Claimed) ([]Claimed, error) {
+// claimOrdered is claim for a group ordered by key. A look without the write lock comes
+// first, as in claim; then one write transaction (claimOrderedIn), which skips the steps the
+// look found nothing for. SQLite's one writer runs the write transactions of every claim of
+// the group, in every process, one after another: each sees every claim made before it, which
+// PostgreSQL gets by locking the group's row.
+func (s sqlite) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, error) {
+	waiting, due, free := int64(1), int64(1), int64(1)
+	if q, ok := b.(dbx.Querier); ok {
+		if err := dbx.QueryRow(ctx, q, s.ordPeekSQL, []any{groupID}, &waiting, &due, &free); err != nil {
+			if errors.Is(err, dbx.ErrNoRows) {
+				return out, fmt.Errorf("offsets: consumer group %d has no row", groupID)
+			}
+			return out, err
+		}
+		if waiting == 0 && due == 0 && free == 0 {
+			return out, nil
+		}
+	}
+	start := len(out)
+	err := dbx.InTx(ctx, b, func(tx dbx.Tx) error {
+		var err error
+		out, err = s.claimOrderedIn(ctx, tx, groupID, token, ttl, limit, pass, due != 0, free != 0, out[:start])
+		return err
+	})
+	if err != nil {
+		return out[:start], err // rolled back: none of them was claimed
+	}
+	return out, nil
+}
+
+// claimOrderedIn runs the ordered claim in the write transaction tx, keeping one rule: at
+// most one message of a key is unsettled and not parked (held, due again, or delayed); every
+// other unsettled message of the key is parked, a claim row with its key in order_key, no
+// holder and visible_at sqliteParked, which the group's position passes as it passes a
+// delayed message. Settlements only delete or update claim rows; only claims decide which
+// message of a key goes next. In this order:
+//   - with due, the claims due again (not parked), each the one message of its key not parked;
+//   - with free, for every key whose claims are all parked, the first of them (by offset), up
+//     to the room the due ones left: claimed under token, or, if its time has not come, made
+//     a delayed claim;
+//   - new messages after the group's position, as in claimIn, up to the room left (plus pass):
+//     a message with a key is parked when the group has a claim of its key or the key came
+//     earlier in this claim. While MaxParked messages are parked, no new message is read, so
+//     that the parked ones, which every claim reads, stay few.
+//
+// Order keys are compared as text: two keys never share an order.
+func (s sqlite) claimOrderedIn(ctx context.Context, tx dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due, free bool, out []Claimed) ([]Claimed, error) {
+	lease := msInt(ttl)
+	var pos, now, parked int64
+	if err := dbx.QueryRow(ctx, tx, s.ordPosSQL, []any{groupID, MaxParked}, &pos, &now, &parked); err != nil {
+		return out, err
+	}
+	room := limit
+	if due {
+		n := len(out)
+		var err error
+		if out, err = s.claimDue(ctx, tx, s.ordDueSQL, groupID, token, lease, limit, out); err != nil {
+			return out, err
+		}
+		room -= len(out) - n
+	}
+	if free && parked > 0 && room > 0 {
+		rows, err := dbx.QueryWrite(ctx, tx, s.unparkSQL, groupID, now, token, lease, room)
+		if err != nil {
+			return out, err
+		}
+		var heads []int64
+		var delayed []Claimed
+		for rows.Next() {
+			var off, tok, at int64
+			if err := rows.Scan(&off, &tok, &at); err != nil {
+				rows.Close()
+				return out, err
+			}
+			if tok == 0 {
+				delayed = append(delayed, Claimed{Offset: off, Delayed: time.UnixMilli(at)})
+			} else {
+				heads = append(heads, off)
+			}
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return out, err
+		}
+		if out, err = s.readClaimed(ctx, tx, heads, nil, false, out); err != nil {
+			return out, err
+		}
+		out = append(out, delayed...)
+		room -= len(heads)
+	}
+	if room <= 0 || parked >= MaxParked {
+		return out, nil
+	}
+	return s.claimNewOrdered(ctx, tx, groupID, token, lease, now, pos, room, pass, out)
+}
+
+// claimNewOrdered is the last step of claimOrderedIn: new messages.
+func (s sqlite) claimNewOrdered(ctx context.Context, tx dbx.Querier, groupID int32, token, lease, now, pos int64, room, pass int, out []Claimed) ([]Claimed, error) {
+	path := jsonPath(MetaOrderKey)
+	rows, err := tx.Query(ctx, s.ordReadSQL, now, pos, room+pass, groupID, path)
+	if err != nil {
+		return out, err
+	}
+	var last int64
+	parked := []byte{'['} // a JSON array of the offsets parked
+	seen := map[string]bool{}
+	for taken := 0; taken < room && rows.Next(); {
+		c := Claimed{Attempts: 1}
+		var later, keyed, has int64
+		var key string
+		if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata, &later, &keyed, &key, &has); err != nil {
+			rows.Close()
+			return out, err
+		}
+		last = c.Offset
+		switch {
+		case keyed != 0 && (has != 0 || seen[key]):
+			if len(parked) > 1 {
+				parked = append(parked, ',')
+			}
+			parked = strconv.AppendInt(parked, c.Offset, 10)
+		case later != 0:
+			out = append(out, Claimed{Offset: c.Offset, Delayed: time.UnixMilli(later)})
+		default:
+			out = append(out, c)
+			taken++
+		}
+		if keyed != 0 {
+			seen[key] = true
+		}
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return out, err
+	}
+	if last == 0 {
+		return out, nil
+	}
+	parked = append(parked, ']')
+	if _, err := tx.Exec(ctx, s.ordClaimSQL, groupID, token, lease, now, pos, last, path, string(parked)); err != nil {
+		return out, err
+	}
+	if _, err := tx.Exec(ctx, s.advanceSQL, last, groupID); err != nil {
+		return out, err
+	}
+	return out, nil
+}
+
+func (sqlite) claimLocked(context.Context, dbx.Querier, int32, int64, int, int, int32, []int64, Due, []Claimed) ([]Claimed, error) {
 	return nil, errNoAdvisoryLocks
 }
 

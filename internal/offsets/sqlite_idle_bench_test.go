@@ -55,7 +55,7 @@ func BenchmarkSQLiteIdleLook(b *testing.B) {
 
 	b.Run("claim", func(b *testing.B) {
 		for b.Loop() {
-			cs, err := store.Claim(ctx, pool, group, 1, time.Second, 100, true, nil)
+			cs, err := store.Claim(ctx, pool, group, 1, time.Second, 100, offsets.DueAll, nil)
 			if err != nil || len(cs) != 0 {
 				b.Fatal(len(cs), err)
 			}

@@ -23,12 +23,12 @@ ORDER BY t."name"
 LIMIT ?3`
 
 // sqliteInspectSQL reads every consumer group of the topic, up to ?2, in one statement, with
-// the columns of PostgreSQL's inspectSQL (no message is parked: SQLite has no groups ordered
-// by key): each figure is a bounded scan (the lag stops at ?1
-// rows, the claims at ?1 rows of the group's key range). Nothing is held back on SQLite:
-// offsets commit in order. The oldest unsettled message is the older of the group's claim
-// with the lowest offset and the next message after its position (either may be missing).
-// SQLite keeps one 'now' for the whole statement.
+// the columns of PostgreSQL's inspectSQL: each figure is a bounded scan (the lag stops at ?1
+// rows, the claims at ?1 rows of the group's key range). A parked claim (sqliteParked) counts
+// as parked, not as due. Nothing is held back on SQLite: offsets commit in order. The oldest
+// unsettled message is the older of the group's claim with the lowest offset and the next
+// message after its position (either may be missing). SQLite keeps one 'now' for the whole
+// statement.
 const sqliteInspectSQL = `SELECT g."consumer_group", g."last_offset",
 	(SELECT count(*) FROM (SELECT 1 FROM %[1]s m WHERE m."offset" > g."last_offset" LIMIT ?1)),
 	coalesce((SELECT max(m."offset") FROM %[1]s m), 0),
@@ -36,9 +36,10 @@ const sqliteInspectSQL = `SELECT g."consumer_group", g."last_offset",
 		FROM (SELECT "token", "visible_at" FROM %[2]s WHERE "group_id" = g."group_id" LIMIT ?1) c),
 	(SELECT coalesce(sum(c."token" = 0 AND c."visible_at" > ` + sqliteNow + `), 0)
 		FROM (SELECT "token", "visible_at" FROM %[2]s WHERE "group_id" = g."group_id" LIMIT ?1) c),
-	(SELECT coalesce(sum(c."visible_at" <= ` + sqliteNow + `), 0)
+	(SELECT coalesce(sum(c."visible_at" BETWEEN 0 AND ` + sqliteNow + `), 0)
 		FROM (SELECT "visible_at" FROM %[2]s WHERE "group_id" = g."group_id" LIMIT ?1) c),
-	0,
+	(SELECT coalesce(sum(c."visible_at" < 0), 0)
+		FROM (SELECT "visible_at" FROM %[2]s WHERE "group_id" = g."group_id" LIMIT ?1) c),
 	0,
 	coalesce((` + sqliteNow + ` - min(coalesce(g.claimed, g.next), coalesce(g.next, g.claimed))) / 1000.0, 0.0),
 	(` + sqliteNow + ` - g."updated_at") / 1000.0
@@ -51,9 +52,10 @@ FROM (SELECT gr."group_id", gr."consumer_group", gr."last_offset", gr."updated_a
 	LIMIT ?2) g
 ORDER BY g."consumer_group"`
 
-// sqliteClaimsSQL lists the claims of the topic: none is held by an advisory lock.
-const sqliteClaimsSQL = `SELECT g."consumer_group", c."offset", c."attempts", c."token", 0,
-	(c."visible_at" - ` + sqliteNow + `) / 1000.0
+// sqliteClaimsSQL lists the claims of the topic: none is held by an advisory lock; a parked
+// one has no deadline.
+const sqliteClaimsSQL = `SELECT g."consumer_group", c."offset", c."attempts", c."token", 0, c."visible_at" < 0,
+	CASE WHEN c."visible_at" < 0 THEN 0 ELSE (c."visible_at" - ` + sqliteNow + `) / 1000.0 END
 FROM %[1]s c JOIN %[2]s g ON g."group_id" = c."group_id"
 ORDER BY g."consumer_group", c."offset"
 LIMIT ?1`

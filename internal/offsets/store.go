@@ -89,12 +89,38 @@ func scanClaimed(rows dbx.Rows, out []Claimed) ([]Claimed, error) {
 	return out, rows.Err()
 }
 
+// Due says which claims due again a claim statement takes back before new messages.
+type Due uint8
+
+const (
+	// DueNone takes new messages only: the claim reads no claim of the group, so its cost
+	// does not depend on how many claims were settled since the last vacuum.
+	DueNone Due = iota
+	// DueGivenBack takes back the claims no one holds whose time came: nacked after their
+	// backoff, released, delayed messages whose time came, and in the advisory mode those
+	// whose lock was taken elsewhere. On PostgreSQL these are a range of the claims' primary
+	// key of their own, whose entries come and go with them only: the look's cost does not
+	// grow with the claims settled while vacuum is held back.
+	DueGivenBack
+	// DueRecent takes back, besides, the held claims whose lease ran out within the last
+	// RecentWindow. On PostgreSQL it reads those by an index of the held claims' lease
+	// deadlines, from RecentWindow ago to now: the versions a held snapshot keeps alive
+	// that it reads are those whose deadline fell in that window, however long vacuum has
+	// been held back. A lease that ran out earlier is left to DueAll.
+	DueRecent
+	// DueAll takes back, besides, every held claim whose lease ran out. On PostgreSQL this
+	// reads every claim row of the group, live or dead.
+	DueAll
+)
+
+// RecentWindow is how far back a claim with DueRecent looks for leases that ran out. A
+// subscription uses it only while its own looks at lost leases have left no longer gap (see
+// the claim loop).
+const RecentWindow = 5 * time.Second
+
 // Claim claims up to limit messages for the group under token, with a lease of ttl: first
-// those due again, then new ones after the group's position, which it advances.
-//
-// With due false it claims new messages only: it reads no claim of the group, so its cost
-// does not depend on how many claims were settled since the last vacuum (see dueSQL).
-func (s *Store) Claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, due bool, out []Claimed) ([]Claimed, error) {
+// those due again (as due says), then new ones after the group's position, which it advances.
+func (s *Store) Claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit int, due Due, out []Claimed) ([]Claimed, error) {
 	return s.ClaimPassing(ctx, q, groupID, token, ttl, limit, 0, due, out)
 }
 
@@ -102,7 +128,7 @@ func (s *Store) Claim(ctx context.Context, q dbx.Querier, groupID int32, token i
 // may claim: delayed messages it passes do not take the room of the messages behind them
 // (with pass 0 they do, as in Claim). A claim that passed delayed messages is best followed
 // by one with room to pass many: the run may go on.
-func (s *Store) ClaimPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due bool, out []Claimed) ([]Claimed, error) {
+func (s *Store) ClaimPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due Due, out []Claimed) ([]Claimed, error) {
 	return s.db.claim(ctx, q, groupID, token, ttl, limit, pass, due, out)
 }
 
@@ -111,7 +137,7 @@ var ErrOrderUnsupported = errors.New("offsets: this database has no claims order
 
 // MaxParked is the most messages of a group ordered by key that wait parked behind their key:
 // while as many wait, a claim reads no new message (see orderedClaimSQL).
-const MaxParked = 10_000
+const MaxParked = 1_000
 
 // ClaimOrdered is ClaimPassing for a group ordered by key (MetaOrderKey): a message of a key
 // is claimed only once every message of its key before it in the group's order is settled;

@@ -35,9 +35,10 @@ import (
 // Version 2 added the messages table's deliver_at column (delayed messages); version 3 made
 // the claims table one row per claim statement instead of one per message; version 4 put the
 // messages table in partitions by offset range (see postgres_partitions.go) and gave each
-// group row the floor of the partitions it reads. SchemaSQL upgrades tables of versions 1 to
-// 3 in place (see upgradableVersions).
-const SchemaVersion = 4
+// group row the floor of the partitions it reads; version 5 added the claims table's index of
+// lease deadlines (claimsLeaseIndexSQL). SchemaSQL upgrades tables of versions 1 to 4 in place
+// (see upgradableVersions).
+const SchemaVersion = 5
 
 // SQLiteSchemaVersion is the version of SQLite's tables, written into the messages table's
 // CREATE TABLE text. SQLite keeps one claim row per message: its single writer has no
@@ -49,8 +50,10 @@ const SQLiteSchemaVersion = 2
 // only the catalog, under a lock held for an instant, and leaves every row as it is: NULL,
 // not delayed); versions 1 and 2 keep a claim row per message, which are moved into rows per
 // claim; versions 1 to 3 keep the messages in one plain table, which becomes the first
-// partition of the partitioned one.
-var upgradableVersions = []int{1, 2, 3}
+// partition of the partitioned one; versions 1 to 4 lack the claims' index of lease deadlines,
+// which is built (on a table of the claims in work: small, and locked against writes while it
+// is built).
+var upgradableVersions = []int{1, 2, 3, 4}
 
 // schemaComment is the comment the messages table carries; the version is the last field.
 const schemaCommentPrefix = "sqlbroker schema v"

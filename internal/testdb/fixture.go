@@ -48,7 +48,7 @@ func NewFixture(t testing.TB) *Fixture {
 		var got []offsets.Claimed
 		// A transaction of another test may hold the horizon back for a while.
 		Eventually(t, 60*time.Second, "messages to claim", func() bool {
-			c, err := f.Store.Claim(ctx, db, ahead, token, ttl, n-len(got), false, nil)
+			c, err := f.Store.Claim(ctx, db, ahead, token, ttl, n-len(got), offsets.DueNone, nil)
 			must(t, err)
 			got = append(got, c...)
 			return len(got) == n

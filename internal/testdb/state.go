@@ -53,7 +53,7 @@ func NewState(t testing.TB, db dbx.Pool, topic, dead string) *State {
 		var got []offsets.Claimed
 		// A transaction of another test may hold PostgreSQL's horizon back for a while.
 		Eventually(t, 60*time.Second, "messages to claim", func() bool {
-			c, err := store.Claim(ctx, db, ahead, token, ttl, n-len(got), false, nil)
+			c, err := store.Claim(ctx, db, ahead, token, ttl, n-len(got), offsets.DueNone, nil)
 			must(t, err)
 			got = append(got, c...)
 			return len(got) == n

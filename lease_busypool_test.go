@@ -1,0 +1,67 @@
+package sqlbroker_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+)
+
+// A lease holds while the pool it is extended on is busy with other work: twenty goroutines
+// take turns on a pool of three connections (one of them the subscription's LISTEN
+// connection), each holding one for 100 ms, so that a connection comes about a second after
+// it is asked for, more than LeaseRenewInterval (200 ms) and less than what is left of the
+// lease (2 s). The extension waits in the pool's line instead of giving up at each renew
+// interval and queueing again at its end: the message in the handler keeps its lease for 4 s
+// and its ack applies.
+func TestSubscriber_leaseHoldsOnABusyPool(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := ownPgxPool(t, "", 3)
+	db := sqlbroker.Pgx(pool)
+	topic := testdb.Topic(t, "")
+	pub := newPublisher(t, db)
+	publish(t, pub, topic, "held")
+	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{InitializeSchema: true, MaxInFlight: 1,
+		LeaseTTL: 2 * time.Second, LeaseRenewInterval: 200 * time.Millisecond,
+		PollInterval: 50 * time.Millisecond, RetryInterval: 50 * time.Millisecond}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := receive(t, msgs, 10*time.Second)
+
+	busy, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for busy.Err() == nil {
+				c, err := pool.Acquire(busy)
+				if err != nil {
+					return
+				}
+				time.Sleep(100 * time.Millisecond)
+				c.Release()
+			}
+		}()
+	}
+	select {
+	case <-m.Context().Done():
+		t.Fatalf("the lease was lost while the pool was busy: %v", context.Cause(m.Context()))
+	case <-time.After(4 * time.Second):
+	}
+	stop()
+	wg.Wait()
+	m.Ack()
+	testdb.Eventually(t, 10*time.Second, "the ack applied", func() bool { return sub.Stats().Acked == 1 })
+	assert.Zero(t, sub.Stats().LeasesLost)
+	assert.Zero(t, sub.Stats().StaleSettlements)
+}
