@@ -87,12 +87,7 @@ func constructorsKeyed(d driver, mode sqlbroker.ClaimMode, ordered, keyed bool) 
 		logger := watermill.NopLogger{}
 		pcfg := sqlbroker.PublisherConfig{InitializeSchema: true}
 		if keyed {
-			pcfg.OrderKey = func(_ string, m *message.Message) (string, error) {
-				if n, err := strconv.Atoi(string(m.Payload)); err == nil && n >= 0 && n < 100 {
-					return string(m.Payload), nil
-				}
-				return "", nil
-			}
+			pcfg.OrderKey = suiteOrderKey
 		}
 		pub, err := sqlbroker.NewPublisher(db, pcfg, logger)
 		if err != nil {
@@ -134,6 +129,15 @@ func constructorsKeyed(d driver, mode sqlbroker.ClaimMode, ordered, keyed bool) 
 		return build(t, "own_"+watermill.NewShortUUID())
 	}
 	return own, build
+}
+
+// suiteOrderKey is the order key of the keyed suites: a payload that is a number below 100
+// (see constructorsKeyed).
+func suiteOrderKey(_ string, m *message.Message) (string, error) {
+	if n, err := strconv.Atoi(string(m.Payload)); err == nil && n >= 0 && n < 100 {
+		return string(m.Payload), nil
+	}
+	return "", nil
 }
 
 func TestUniversal_Lease(t *testing.T) {

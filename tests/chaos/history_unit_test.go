@@ -162,3 +162,36 @@ func TestOrderCheck_violationsAndExplainedOverlaps(t *testing.T) {
 	v = c.checkOrder(t, msgs, twice, "")
 	assert.Equal(t, 1, v.ackedTwice, "a message acked twice in its handler's transaction")
 }
+
+// A lease lost under a table lock: the lock began 16 ms after the handler, the extension that
+// ran just before it reached the server behind it, and the lease ran out 1.47 s after the lock
+// began (lease 2 s, renew 500 ms). That is explained, as is one lost 1.246 s after (its
+// extension reached the server late); a lease lost 0.6 s after a lock began is not, nor one
+// lost under a lock shorter than the lease.
+func TestHistory_leaseLostUnderLockMeasuredFromLockStart(t *testing.T) {
+	t.Parallel()
+	t0 := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	lease := func(string) (time.Duration, time.Duration, bool) {
+		return 2 * time.Second, 500 * time.Millisecond, false
+	}
+	c := &checker{faults: []fault{{Kind: faultTableLock, Start: at(16), End: at(7889)}}, lease: lease}
+	lost := event{Proc: "o1", Kind: evLeaseLost, Offset: 89, Began: at(0).UnixNano(), At: at(1486).UnixNano()}
+	why, ok := c.loss(lost)
+	assert.True(t, ok, "a lease lost 1.47 s into a 7.9 s table lock left unexplained")
+	assert.True(t, strings.HasPrefix(why, "lease ran out under a tablelock"), why)
+
+	late := lost // a run in CI: the extension due before the lock reached the server after it
+	late.At = at(16 + 1246).UnixNano()
+	_, ok = c.loss(late)
+	assert.True(t, ok, "a lease lost 1.246 s into a table lock left unexplained")
+
+	early := lost
+	early.At = at(616).UnixNano()
+	_, ok = c.loss(early)
+	assert.False(t, ok, "a lease lost 0.6 s into a table lock explained")
+
+	short := &checker{faults: []fault{{Kind: faultTableLock, Start: at(16), End: at(1016)}}, lease: lease}
+	_, ok = short.loss(lost)
+	assert.False(t, ok, "a lease lost under a lock shorter than the lease explained")
+}
