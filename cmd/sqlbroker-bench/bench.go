@@ -158,6 +158,10 @@ func (b *bench) describe() {
 		fmt.Printf("- hold: %d msg/s offered for %s, %d consumer group(s) of %d subscribers, Retention %s, vacuum held back from %s for %s\n",
 			c.holdRate, c.holdDuration, c.holdGroups, holdSubs, c.holdRetention, c.holdAt, c.holdFor)
 	}
+	if c.scenarios[13] {
+		fmt.Printf("- ordered: %d keyed messages a run, %d and %d keys, each run bounded by %s\n",
+			c.orderedN, c.orderedKeysFew, c.orderedKeysMany, c.orderedWindow)
+	}
 	fmt.Println()
 }
 
@@ -201,6 +205,7 @@ var scenarios = []scenario{
 	{10, "group", false, scenarioGroup},
 	{11, "hold", false, scenarioHold},
 	{12, "retention", false, scenarioRetention},
+	{13, "ordered", false, scenarioOrdered},
 }
 
 // scenarioBy finds a scenario by its number or its name.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"time"
@@ -26,9 +27,18 @@ const (
 	advisory
 	watermillSQL
 	sqliteLease
+	libpqLease       // lease mode through database/sql and lib/pq
+	libpqBinaryLease // the same with lib/pq's binary_parameters=yes: one round trip a statement
 )
 
-var contenderNames = [...]string{lease: "lease", advisory: "advisory", watermillSQL: "watermill-sql", sqliteLease: "sqlite"}
+var contenderNames = [...]string{
+	lease: "lease", advisory: "advisory", watermillSQL: "watermill-sql", sqliteLease: "sqlite",
+	libpqLease: "libpq", libpqBinaryLease: "libpq-binary",
+}
+
+// viaLibPQ reports whether the library's publishers and subscribers of c run on a database/sql
+// pool opened with lib/pq rather than on a pgx pool.
+func (c contender) viaLibPQ() bool { return c == libpqLease || c == libpqBinaryLease }
 
 func (c contender) String() string { return contenderNames[c] }
 
@@ -67,12 +77,15 @@ const group = "bench"
 type env struct {
 	c    contender
 	cfg  *config
-	pool *pgxpool.Pool // PostgreSQL contenders
+	pool *pgxpool.Pool // PostgreSQL contenders (lib/pq ones: two connections, for reading state)
+	std  *sql.DB       // lib/pq contenders: the pool the library runs on
 	db   dbx.Pool      // the library's statements run here without Watermill
 
 	broker *sqlbroker.Broker // SQLite: what publishers and subscribers come from
 	file   string            // SQLite: the database file
 	owner  bool              // SQLite: this env made the file and removes it on close
+
+	orderByKey bool // the library's subscribers keep the order of each key (scenario 13)
 }
 
 func openEnv(ctx context.Context, cfg *config, c contender) (*env, error) {
@@ -85,6 +98,11 @@ func openEnv(ctx context.Context, cfg *config, c contender) (*env, error) {
 	}
 	pc.MaxConns = int32(cfg.poolSize)
 	pc.ConnConfig.RuntimeParams["application_name"] = c.appName()
+	if c.viaLibPQ() {
+		// Only the bench's own reads of state run here; their backends are not the contender's.
+		pc.MaxConns = 2
+		pc.ConnConfig.RuntimeParams["application_name"] = c.appName() + "-state"
+	}
 	if cfg.traceSQL {
 		pc.ConnConfig.Tracer = sqlTracer
 	}
@@ -92,11 +110,61 @@ func openEnv(ctx context.Context, cfg *config, c contender) (*env, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: pool: %w", c, err)
 	}
-	if err := warm(ctx, pool, cfg.poolSize); err != nil {
+	if err := warm(ctx, pool, int(pc.MaxConns)); err != nil {
 		pool.Close()
 		return nil, fmt.Errorf("%s: connect to %s: %w", c, redact(cfg.url), err)
 	}
-	return &env{c: c, cfg: cfg, pool: pool, db: dbx.NewPgxPool(pool)}, nil
+	if !c.viaLibPQ() {
+		return &env{c: c, cfg: cfg, pool: pool, db: dbx.NewPgxPool(pool)}, nil
+	}
+	url := stdURL(cfg.url, c.appName())
+	if c == libpqBinaryLease {
+		url += "&binary_parameters=yes"
+	}
+	std, err := sql.Open("postgres", url)
+	if err == nil {
+		std.SetMaxOpenConns(cfg.poolSize)
+		std.SetMaxIdleConns(cfg.poolSize)
+		err = warmStd(ctx, std, cfg.poolSize)
+	}
+	if err != nil {
+		pool.Close()
+		if std != nil {
+			_ = std.Close()
+		}
+		return nil, fmt.Errorf("%s: connect to %s: %w", c, redact(cfg.url), err)
+	}
+	return &env{c: c, cfg: cfg, pool: pool, std: std, db: dbx.NewStdPool(std)}, nil
+}
+
+// warmStd opens all n connections of a database/sql pool before anything is timed.
+func warmStd(ctx context.Context, db *sql.DB, n int) error {
+	conns := make([]*sql.Conn, 0, n)
+	defer func() {
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	}()
+	for len(conns) < n {
+		c, err := db.Conn(ctx)
+		if err != nil {
+			return err
+		}
+		if err := c.PingContext(ctx); err != nil {
+			_ = c.Close()
+			return err
+		}
+		conns = append(conns, c)
+	}
+	return nil
+}
+
+// libDB is the pool the library's publishers and subscribers of e run on.
+func (e *env) libDB() sqlbroker.DB {
+	if e.std != nil {
+		return sqlbroker.StdSQL(e.std)
+	}
+	return sqlbroker.Pgx(e.pool)
 }
 
 // warm opens all n connections of the pool before anything is timed, so that no contender pays
@@ -136,6 +204,9 @@ func (e *env) close() {
 		return
 	}
 	e.pool.Close()
+	if e.std != nil {
+		_ = e.std.Close()
+	}
 }
 
 // watermill-sql's adapters: its default PostgreSQL schema and offsets adapter, with a BYTEA
@@ -191,7 +262,7 @@ func (e *env) publisher() (message.Publisher, error) {
 	if e.c.onSQLite() {
 		return e.broker.NewPublisher(sqlbroker.PublisherConfig{})
 	}
-	return sqlbroker.NewPublisher(sqlbroker.Pgx(e.pool), sqlbroker.PublisherConfig{}, nil)
+	return sqlbroker.NewPublisher(e.libDB(), sqlbroker.PublisherConfig{}, nil)
 }
 
 // subscriber builds a subscriber of the bench consumer group. maxInFlight 0 keeps the library's
@@ -203,9 +274,9 @@ func (e *env) subscriber(maxInFlight int) (message.Subscriber, error) {
 			ConsumerGroup: group, SchemaAdapter: wsqlSchema(), OffsetsAdapter: wsqlOffsets(),
 		}, nil)
 	case sqliteLease:
-		return e.broker.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: group, MaxInFlight: maxInFlight})
+		return e.broker.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: group, MaxInFlight: maxInFlight, OrderByKey: e.orderByKey})
 	default:
-		return e.pgSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: group, MaxInFlight: maxInFlight})
+		return e.pgSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: group, MaxInFlight: maxInFlight, OrderByKey: e.orderByKey})
 	}
 }
 
@@ -215,7 +286,7 @@ func (e *env) pgSubscriber(cfg sqlbroker.SubscriberConfig) (message.Subscriber, 
 	if e.c == advisory {
 		cfg.ClaimMode = sqlbroker.ClaimAdvisoryLock
 	}
-	s, err := sqlbroker.NewSubscriber(sqlbroker.Pgx(e.pool), cfg, nil)
+	s, err := sqlbroker.NewSubscriber(e.libDB(), cfg, nil)
 	if err != nil && e.c == advisory {
 		return nil, fmt.Errorf("%w: %v", errNA, err)
 	}

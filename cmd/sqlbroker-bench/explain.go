@@ -70,7 +70,7 @@ func explainClaimPlan(ctx context.Context, url, topic string, atTail bool) (stri
 		if err != nil {
 			return 0, err
 		}
-		claimed, err := store.Claim(ctx, q, gid, 1, 30*time.Second, 100, true, nil)
+		claimed, err := store.Claim(ctx, q, gid, 1, 30*time.Second, 100, offsets.DueAll, nil)
 		return len(claimed), err
 	})
 }

@@ -15,6 +15,10 @@
 // program would. Its figures are not compared with watermill-sql's (another database); row 7e
 // compares its drain with the raw limit of its own statements, measured in the same run.
 //
+// The contenders "libpq" and "libpq-binary" are the lease mode through database/sql and
+// lib/pq (sqlbroker.StdSQL), the second with lib/pq's binary_parameters=yes in its URL, which
+// sends a statement with arguments in one round trip instead of two.
+//
 // It is a module of its own, so that watermill-sql is a dependency of the benchmark only and
 // never of the library's users. From the repository's root:
 //
@@ -43,8 +47,14 @@
 //     index entries read per scan, second by second, and a summary of the hold
 //  12. retention: -retention-n messages through one subscriber with Retention 1 s: the
 //     sizes of the messages and claims tables second by second, at the peak and at the end
+//     (on SQLite: the database file's, its WAL's and its pages in use)
+//  13. ordered:  order by key: a backlog whose keys go round 64 (-ordered-keys) or 10,000
+//     (-ordered-keys-many) keys, drained by one lease-mode subscriber with OrderByKey and
+//     without it, with a no-op handler and with the 5 ms handler at 256 in flight; the
+//     ordered rates beside the unordered ones of the same round, and the order violations
+//     seen (a handling beside another of its key, or before the one before it returned)
 //
-// Scenarios 1-7 run by default; 8-12 when named. Scenarios 8 and 9 count each contender's
+// Scenarios 1-7 run by default; 8-13 when named. Scenarios 8 and 9 count each contender's
 // transactions at the protocol, through a local proxy that sees every ReadyForQuery its
 // connections receive (-idle-proxy); they also print, second by second, the transaction count
 // of the whole database (pg_stat_database), which backends report up to 10 s late. With
@@ -116,6 +126,10 @@ type config struct {
 	retention       time.Duration // 12
 	retentionSettle time.Duration // 12
 	retentionVacuum time.Duration // 12
+	orderedN        int           // 13
+	orderedKeysFew  int           // 13
+	orderedKeysMany int           // 13
+	orderedWindow   time.Duration // 13
 }
 
 func main() {
@@ -136,7 +150,7 @@ func parseFlags() (*config, error) {
 	}
 	scen := flag.String("scenarios", strings.Join(defaults, ","), "scenarios to run, by number or name ("+scenarioList()+")")
 	flag.IntVar(&c.rounds, "rounds", 5, "interleaved rounds: each scenario runs this many times for every contender, one contender after the other; the table shows each figure's median, and each ratio's median and range over the rounds")
-	cont := flag.String("contenders", "lease,advisory,watermill-sql,sqlite", "contenders to run (lease, advisory, watermill-sql, sqlite)")
+	cont := flag.String("contenders", "lease,advisory,watermill-sql,sqlite", "contenders to run (lease, advisory, watermill-sql, sqlite, libpq, libpq-binary)")
 	flag.StringVar(&c.sqliteDir, "sqlite-dir", os.TempDir(), "the sqlite contender's database files go in a new directory inside this one (local disk: not a tmpfs, or commits cost nothing)")
 	flag.StringVar(&c.url, "url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL")
 	flag.IntVar(&c.poolSize, "pool", 20, "connections in each contender's pool")
@@ -183,6 +197,10 @@ func parseFlags() (*config, error) {
 	flag.DurationVar(&c.retention, "retention", time.Second, "scenario 12: the subscriber's Retention")
 	flag.DurationVar(&c.retentionSettle, "retention-settle", 15*time.Second, "scenario 12: how long to watch the sizes after the last message is handled")
 	flag.DurationVar(&c.retentionVacuum, "retention-vacuum", 0, "scenario 12: VACUUM the claims and groups tables this often, for a server whose autovacuum is off (0: leave it to autovacuum)")
+	orderedN := flag.Int("ordered-n", 100_000, "scenario 13: backlog of keyed messages published before each run")
+	flag.IntVar(&c.orderedKeysFew, "ordered-keys", 64, "scenario 13: keys of the runs with few keys")
+	flag.IntVar(&c.orderedKeysMany, "ordered-keys-many", 10_000, "scenario 13: keys of the runs with many keys")
+	orderedWindow := flag.Duration("ordered-window", 30*time.Second, "scenario 13: bound on each run (the rate is over the run)")
 	flag.Parse()
 
 	set := map[string]bool{}
@@ -215,6 +233,8 @@ func parseFlags() (*config, error) {
 	c.holdAt = pickDur("hold-at", holdAt, 5*time.Second)
 	c.holdFor = pickDur("hold-for", holdFor, 15*time.Second)
 	c.retentionN = pickInt("retention-n", retentionN, 100_000)
+	c.orderedN = pickInt("ordered-n", orderedN, 20_000)
+	c.orderedWindow = pickDur("ordered-window", orderedWindow, 10*time.Second)
 
 	c.scenarios = map[int]bool{}
 	for _, s := range strings.Split(*scen, ",") {
@@ -235,7 +255,7 @@ func parseFlags() (*config, error) {
 		}
 		k, ok := contenderByName(s)
 		if !ok {
-			return nil, fmt.Errorf("-contenders: %q is not one of lease, advisory, watermill-sql, sqlite", s)
+			return nil, fmt.Errorf("-contenders: %q is not one of lease, advisory, watermill-sql, sqlite, libpq, libpq-binary", s)
 		}
 		c.contenders = append(c.contenders, k)
 	}
@@ -247,6 +267,7 @@ func parseFlags() (*config, error) {
 		"idle-subs": c.idleSubs, "idle-lock-subs": c.idleLockSubs, "many-subs": c.manySubs,
 		"group-backlog": c.groupBacklog, "group-pool": c.groupPool,
 		"hold-rate": c.holdRate, "hold-groups": c.holdGroups,
+		"ordered-n": c.orderedN, "ordered-keys": c.orderedKeysFew, "ordered-keys-many": c.orderedKeysMany,
 	}
 	for name, v := range positive {
 		if v <= 0 {
@@ -254,7 +275,8 @@ func parseFlags() (*config, error) {
 		}
 	}
 	for name, v := range map[string]time.Duration{"timeout": c.timeout, "slow-duration": c.slowDuration, "latency-duration": c.latencyDuration, "memory-cap": c.memoryCap,
-		"idle-window": c.idleWindow, "group-window": c.groupWindow, "hold-duration": c.holdDuration, "hold-for": c.holdFor} {
+		"idle-window": c.idleWindow, "group-window": c.groupWindow, "hold-duration": c.holdDuration, "hold-for": c.holdFor,
+		"ordered-window": c.orderedWindow} {
 		if v <= 0 {
 			return nil, fmt.Errorf("-%s (%s) must be positive", name, v)
 		}

@@ -37,13 +37,17 @@ func newMessages(n int, payload []byte) []*message.Message {
 }
 
 // publishBacklog publishes n messages in calls of batch, before a scenario's timing starts.
-func publishBacklog(ctx context.Context, pub message.Publisher, topic string, n, batch int, payload []byte) error {
+func publishBacklog(ctx context.Context, pub message.Publisher, topic string, n, batch int, newMsg func(i int) *message.Message) error {
 	for done := 0; done < n; {
 		if err := ctx.Err(); err != nil {
 			return context.Cause(ctx)
 		}
 		k := min(batch, n-done)
-		if err := pub.Publish(topic, newMessages(k, payload)...); err != nil {
+		msgs := make([]*message.Message, k)
+		for j := range msgs {
+			msgs[j] = newMsg(done + j)
+		}
+		if err := pub.Publish(topic, msgs...); err != nil {
 			return fmt.Errorf("publish backlog (%d of %d done): %w", done, n, err)
 		}
 		done += k

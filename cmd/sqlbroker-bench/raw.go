@@ -219,9 +219,11 @@ func (r *rawOps) claimAcker(ctx context.Context, topic string) (func() (int, err
 	var nextDue time.Time
 	return func() (int, error) {
 		token++
-		// As the subscriber does while it drains a backlog: the due step once a poll interval.
-		due := !time.Now().Before(nextDue)
-		if due {
+		// As the subscriber does while it drains a backlog: the whole due step once a poll
+		// interval.
+		due := offsets.DueNone
+		if !time.Now().Before(nextDue) {
+			due = offsets.DueAll
 			nextDue = time.Now().Add(sqlbroker.DefaultPollInterval)
 		}
 		claimed, err := store.Claim(ctx, r.e.db, gid, token, 30*time.Second, 100, due, buf[:0])

@@ -18,18 +18,21 @@ type rowDef struct {
 	lowerBetter bool
 }
 
-func rowDefs(c *config) []rowDef {
-	n := func(v int) string {
-		switch {
-		case v >= 1_000_000 && v%1_000_000 == 0:
-			return fmt.Sprintf("%dM", v/1_000_000)
-		case v >= 1000 && v%1000 == 0:
-			return fmt.Sprintf("%dk", v/1000)
-		}
-		return fmt.Sprint(v)
+// short is v as a row's title shows it: 100k, 1M.
+func short(v int) string {
+	switch {
+	case v >= 1_000_000 && v%1_000_000 == 0:
+		return fmt.Sprintf("%dM", v/1_000_000)
+	case v >= 1000 && v%1000 == 0:
+		return fmt.Sprintf("%dk", v/1000)
 	}
+	return fmt.Sprint(v)
+}
+
+func rowDefs(c *config) []rowDef {
+	n := short
 	h := c.slowHandler.String()
-	return []rowDef{
+	return append([]rowDef{
 		{"1", 1, fmt.Sprintf("drain %s, no-op handler", n(c.drainN)), "msg/s", false},
 		{"1c", 1, "  client CPU per message", "µs", true},
 		{"1s", 1, "  server CPU per message", "µs", true},
@@ -77,7 +80,7 @@ func rowDefs(c *config) []rowDef {
 		{"11c", 11, "  claims: index entries per scan, last 5 s of the hold", "entries", true},
 		{"11d", 11, "  messages: index entries per scan, last 5 s of the hold", "entries", true},
 		{"11e", 11, "  tables and indexes at the end of the hold", "MiB", true},
-	}
+	}, orderedRows(c)...)
 }
 
 // cell is one row's figures of one contender: one per round that measured it, or why there is

@@ -21,6 +21,13 @@ const backlogBatch = 1000
 // prepare opens c's pool, checks that c can subscribe (n/a otherwise) and creates a fresh
 // topic with a backlog of n messages.
 func (b *bench) prepare(ctx context.Context, c contender, scenario string, n int) (*env, string, error) {
+	return b.prepareWith(ctx, c, scenario, n, func(int) *message.Message {
+		return message.NewMessage(watermill.NewUUID(), b.payload)
+	})
+}
+
+// prepareWith is prepare with a backlog whose ith message newMsg makes.
+func (b *bench) prepareWith(ctx context.Context, c contender, scenario string, n int, newMsg func(i int) *message.Message) (*env, string, error) {
 	e, err := openEnv(ctx, b.cfg, c)
 	if err != nil {
 		return nil, "", err
@@ -41,7 +48,7 @@ func (b *bench) prepare(ctx context.Context, c contender, scenario string, n int
 			return nil, "", err
 		}
 		start := time.Now()
-		err = publishBacklog(ctx, pub, topic, n, backlogBatch, b.payload)
+		err = publishBacklog(ctx, pub, topic, n, backlogBatch, newMsg)
 		_ = pub.Close()
 		if err != nil {
 			e.close()
@@ -63,6 +70,8 @@ type routerRun struct {
 	onStart     func()        // called right before the Router runs
 	onStop      func()        // called when the stop condition is met, before the Router closes
 	profile     string        // with -server-profile: the title of the server profile of this run
+	// around, when set, is called as each handling starts; what it returns, as it ends.
+	around func(*message.Message) func()
 }
 
 type routerResult struct {
@@ -95,9 +104,16 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 			return res, err
 		}
 		subs = append(subs, s)
-		router.AddConsumerHandler(fmt.Sprintf("h%d", i), topic, s, func(*message.Message) error {
+		router.AddConsumerHandler(fmt.Sprintf("h%d", i), topic, s, func(m *message.Message) error {
+			var done func()
+			if r.around != nil {
+				done = r.around(m)
+			}
 			if r.sleep > 0 {
 				time.Sleep(r.sleep)
+			}
+			if done != nil {
+				done()
 			}
 			if handled.Add(1) == int64(r.stopAt) {
 				once.Do(func() { close(reached) })
