@@ -149,6 +149,38 @@ func TestConn_A3_terminatedReportsLostAndReconnects(t *testing.T) {
 	assert.Equal(t, []int64{7}, got)
 }
 
+// A statement asked for after its stop ended does not run, and costs nothing: the connection
+// stays open with its locks, not closed as failed, so that the owner's Close drops the locks
+// and counts the connection it closes (a subscription's Shutdown cancels its context while its
+// claim loop may be about to claim).
+func TestConn_statementNotRunWhenStoppedKeepsTheConnection(t *testing.T) {
+	t.Parallel()
+	key1 := advisory.Key1(`"conn_test_stopped"`, t.Name())
+	lost := make(chan []int64, 1)
+	c := open(t, key1, func(offs []int64) { lost <- offs })
+	_, _, err := c.TryLock(context.Background(), []int64{5})
+	require.NoError(t, err)
+	stopped, cancel := context.WithCancel(context.Background())
+	cancel()
+	ran := false
+	err = c.Query(stopped, func(context.Context, dbx.Querier) error { ran = true; return nil })
+	require.ErrorIs(t, err, advisory.ErrStopped)
+	_, err = c.Claim(stopped, func(context.Context, dbx.Querier, []int64) ([]int64, error) { ran = true; return nil, nil })
+	require.ErrorIs(t, err, advisory.ErrStopped)
+	assert.False(t, ran)
+	select {
+	case offs := <-lost:
+		t.Fatalf("locks reported lost: %v", offs)
+	default:
+	}
+	assert.Equal(t, 1, c.Held())
+	assert.Equal(t, 1, locksOf(t, testdb.Pgx(t), key1))
+	released, closed := c.Close()
+	assert.Equal(t, 1, released)
+	assert.True(t, closed, "Close closed the open connection")
+	assert.Equal(t, 0, locksOf(t, testdb.Pgx(t), key1))
+}
+
 // A5: a connection whose statements land on different server sessions, as behind a
 // transaction-mode pooler, is refused with ErrNotSessionConnection.
 func TestOpen_A5_refusesTransactionPooledConnection(t *testing.T) {

@@ -77,7 +77,7 @@ func (c *Conn) locking(stop context.Context, args func(held map[int64]uint64) []
 		return err
 	})
 	if err != nil {
-		lost := c.failed(conn, err)
+		lost := c.failedOrNotRun(conn, err)
 		c.give()
 		c.report(lost)
 		return 0, err
@@ -102,11 +102,21 @@ func (c *Conn) Query(stop context.Context, fn func(ctx context.Context, q dbx.Qu
 	err = c.statement(stop, conn, func(ctx context.Context) error { return fn(ctx, conn) })
 	var lost []int64
 	if err != nil {
-		lost = c.failed(conn, err)
+		lost = c.failedOrNotRun(conn, err)
 	}
 	c.give()
 	c.report(lost)
 	return err
+}
+
+// failedOrNotRun is failed for a statement of statement, which returns ErrStopped when stop had
+// ended before the statement could start: the connection is then as it was, with its locks,
+// for the owner's Close to drop and count. The turn is held.
+func (c *Conn) failedOrNotRun(conn dbx.Conn, err error) []int64 {
+	if errors.Is(err, ErrStopped) {
+		return nil
+	}
+	return c.failed(conn, err)
 }
 
 // Unlock drops the locks of the offsets taken under generation gen and returns how many it
