@@ -149,6 +149,18 @@ func TestUniversal_Lease(t *testing.T) {
 	}
 }
 
+// TestUniversal_LeasePrepared runs the suite on lib/pq with the statements prepared once per
+// connection (sqlbroker.StdSQLPrepared): every statement of the library goes through the
+// prepared path, its arguments and rows converted there, and the reconnect pass checks that
+// connections opened again prepare their statements anew.
+func TestUniversal_LeasePrepared(t *testing.T) {
+	d := driver{"prepared", func(t *testing.T) sqlbroker.DB { return sqlbroker.StdSQLPrepared(testdb.Std(t)) }}
+	t.Run(d.name, func(t *testing.T) {
+		pubSub, groupPubSub := constructors(d, sqlbroker.ClaimLease, false)
+		tests.TestPubSub(t, universalFeatures(false), pubSub, groupPubSub)
+	})
+}
+
 // TestUniversal_LeaseOrdered runs the suite once more in the ordered configuration: one
 // message in flight, one subscriber, so messages arrive in the commit order of their
 // publishers. It runs with pgx only: the ordering comes from the claim statement, which is the

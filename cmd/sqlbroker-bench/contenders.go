@@ -29,16 +29,19 @@ const (
 	sqliteLease
 	libpqLease       // lease mode through database/sql and lib/pq
 	libpqBinaryLease // the same with lib/pq's binary_parameters=yes: one round trip a statement
+	libpqPrepared    // lease mode through database/sql and lib/pq, statements prepared (StdSQLPrepared)
 )
 
 var contenderNames = [...]string{
 	lease: "lease", advisory: "advisory", watermillSQL: "watermill-sql", sqliteLease: "sqlite",
-	libpqLease: "libpq", libpqBinaryLease: "libpq-binary",
+	libpqLease: "libpq", libpqBinaryLease: "libpq-binary", libpqPrepared: "libpq-prepared",
 }
 
 // viaLibPQ reports whether the library's publishers and subscribers of c run on a database/sql
 // pool opened with lib/pq rather than on a pgx pool.
-func (c contender) viaLibPQ() bool { return c == libpqLease || c == libpqBinaryLease }
+func (c contender) viaLibPQ() bool {
+	return c == libpqLease || c == libpqBinaryLease || c == libpqPrepared
+}
 
 func (c contender) String() string { return contenderNames[c] }
 
@@ -134,6 +137,9 @@ func openEnv(ctx context.Context, cfg *config, c contender) (*env, error) {
 		}
 		return nil, fmt.Errorf("%s: connect to %s: %w", c, redact(cfg.url), err)
 	}
+	if c == libpqPrepared {
+		return &env{c: c, cfg: cfg, pool: pool, std: std, db: dbx.NewStdPoolPrepared(std)}, nil
+	}
 	return &env{c: c, cfg: cfg, pool: pool, std: std, db: dbx.NewStdPool(std)}, nil
 }
 
@@ -161,6 +167,9 @@ func warmStd(ctx context.Context, db *sql.DB, n int) error {
 
 // libDB is the pool the library's publishers and subscribers of e run on.
 func (e *env) libDB() sqlbroker.DB {
+	if e.c == libpqPrepared {
+		return sqlbroker.StdSQLPrepared(e.std)
+	}
 	if e.std != nil {
 		return sqlbroker.StdSQL(e.std)
 	}

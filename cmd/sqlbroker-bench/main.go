@@ -17,7 +17,8 @@
 //
 // The contenders "libpq" and "libpq-binary" are the lease mode through database/sql and
 // lib/pq (sqlbroker.StdSQL), the second with lib/pq's binary_parameters=yes in its URL, which
-// sends a statement with arguments in one round trip instead of two.
+// sends a statement with arguments in one round trip instead of two; "libpq-prepared" is
+// sqlbroker.StdSQLPrepared, whose statements are prepared once per connection.
 //
 // It is a module of its own, so that watermill-sql is a dependency of the benchmark only and
 // never of the library's users. From the repository's root:
@@ -150,7 +151,7 @@ func parseFlags() (*config, error) {
 	}
 	scen := flag.String("scenarios", strings.Join(defaults, ","), "scenarios to run, by number or name ("+scenarioList()+")")
 	flag.IntVar(&c.rounds, "rounds", 5, "interleaved rounds: each scenario runs this many times for every contender, one contender after the other; the table shows each figure's median, and each ratio's median and range over the rounds")
-	cont := flag.String("contenders", "lease,advisory,watermill-sql,sqlite", "contenders to run (lease, advisory, watermill-sql, sqlite, libpq, libpq-binary)")
+	cont := flag.String("contenders", "lease,advisory,watermill-sql,sqlite", "contenders to run (lease, advisory, watermill-sql, sqlite, libpq, libpq-binary, libpq-prepared)")
 	flag.StringVar(&c.sqliteDir, "sqlite-dir", os.TempDir(), "the sqlite contender's database files go in a new directory inside this one (local disk: not a tmpfs, or commits cost nothing)")
 	flag.StringVar(&c.url, "url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL")
 	flag.IntVar(&c.poolSize, "pool", 20, "connections in each contender's pool")
@@ -255,7 +256,7 @@ func parseFlags() (*config, error) {
 		}
 		k, ok := contenderByName(s)
 		if !ok {
-			return nil, fmt.Errorf("-contenders: %q is not one of lease, advisory, watermill-sql, sqlite, libpq, libpq-binary", s)
+			return nil, fmt.Errorf("-contenders: %q is not one of lease, advisory, watermill-sql, sqlite, libpq, libpq-binary, libpq-prepared", s)
 		}
 		c.contenders = append(c.contenders, k)
 	}

@@ -8,3 +8,5 @@ func PIDsRemembered() int {
 }
 
 const MaxPIDs = maxPIDs
+
+const MaxStmtsPerConn = maxStmtsPerConn

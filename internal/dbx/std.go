@@ -73,11 +73,24 @@ func StdTx(tx *sql.Tx) Querier { return stdQ{tx} }
 // StdPool wraps a *sql.DB.
 type StdPool struct {
 	stdQ
-	DB *sql.DB
+	DB   *sql.DB
+	prep *stmtCache // set by NewStdPoolPrepared
 }
 
 // NewStdPool wraps db.
 func NewStdPool(db *sql.DB) *StdPool { return &StdPool{stdQ: stdQ{db}, DB: db} }
+
+// NewStdPoolPrepared wraps db, whose statements with arguments on a connection taken from it
+// (Acquire, Dedicated: the library's claims, settlements and publishing) are prepared once per
+// connection and run as prepared (see stdprep.go). Not behind a transaction-mode pooler.
+func NewStdPoolPrepared(db *sql.DB) *StdPool {
+	p := NewStdPool(db)
+	p.prep = newStmtCache()
+	return p
+}
+
+// Prepared reports whether the pool prepares its statements per connection.
+func (p *StdPool) Prepared() bool { return p.prep != nil }
 
 func (p *StdPool) Driver() string   { return "database/sql" }
 func (p *StdPool) Dialect() Dialect { return Postgres }
@@ -95,7 +108,7 @@ func (p *StdPool) Acquire(ctx context.Context) (Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &stdConn{stdQ: stdQ{c}, c: c}, nil
+	return &stdConn{stdQ: stdQ{c}, c: c, prep: p.prep}, nil
 }
 
 // Dedicated takes a connection from the *sql.DB: database/sql has no way to open one outside
@@ -135,7 +148,7 @@ func (p *StdPool) dedicated(ctx context.Context, unreserve func()) (Conn, error)
 	if err != nil {
 		return nil, err
 	}
-	sc := &stdConn{stdQ: stdQ{c}, c: c, untracked: true, pool: p.DB}
+	sc := &stdConn{stdQ: stdQ{c}, c: c, untracked: true, pool: p.DB, prep: p.prep}
 	if _, err := sc.PID(ctx); err != nil {
 		sc.Destroy()
 		return nil, err
@@ -188,8 +201,9 @@ func (p *StdPool) Close() { _ = p.DB.Close() }
 
 type stdConn struct {
 	stdQ
-	c   *sql.Conn
-	pid uint32
+	c    *sql.Conn
+	pid  uint32
+	prep *stmtCache // statements with arguments run prepared (NewStdPoolPrepared)
 
 	untracked bool    // Dedicated: statements run under the caller's context; Cancel goes through pool
 	pool      *sql.DB // Dedicated: the pool that sends its cancels
@@ -204,11 +218,24 @@ type stdConn struct {
 func (c *stdConn) Exec(ctx context.Context, query string, args ...any) (int64, error) {
 	ctx, done := c.track(ctx)
 	defer done()
+	if c.prep != nil && len(args) > 0 {
+		_, n, err := c.prep.run(ctx, c.c, query, stdArgs(args), true)
+		return n, err
+	}
 	return c.stdQ.Exec(ctx, query, args...)
 }
 
 func (c *stdConn) Query(ctx context.Context, query string, args ...any) (Rows, error) {
 	ctx, done := c.track(ctx)
+	if c.prep != nil && len(args) > 0 {
+		// Read whole before it returns: the statement is over, and so is its context.
+		rows, _, err := c.prep.run(ctx, c.c, query, stdArgs(args), false)
+		done()
+		if err != nil {
+			return nil, err
+		}
+		return rows, nil
+	}
 	rows, err := c.stdQ.Query(ctx, query, args...)
 	if err != nil {
 		done()
@@ -361,6 +388,9 @@ func (c *stdConn) Destroy() {
 	_ = c.c.Raw(func(dc any) error {
 		if _, had := pids.LoadAndDelete(dc); had {
 			npids.Add(-1)
+		}
+		if c.prep != nil {
+			c.prep.forget(dc)
 		}
 		return driver.ErrBadConn
 	})
