@@ -202,6 +202,18 @@ func TestUniversal_Advisory(t *testing.T) {
 	requireNoLibraryLocks(t)
 }
 
+// TestUniversal_AdvisoryPrepared runs the advisory suite on lib/pq with the statements prepared
+// once per connection (sqlbroker.StdSQLPrepared): the lock connections' claims, takeovers and
+// unlocks go through the prepared path too.
+func TestUniversal_AdvisoryPrepared(t *testing.T) {
+	d := driver{"prepared", func(t *testing.T) sqlbroker.DB { return sqlbroker.StdSQLPrepared(advisoryStd(t)) }}
+	t.Run(d.name, func(t *testing.T) {
+		pubSub, groupPubSub := constructors(d, sqlbroker.ClaimAdvisoryLock, false)
+		tests.TestPubSub(t, universalFeatures(false), pubSub, groupPubSub)
+	})
+	requireNoLibraryLocks(t)
+}
+
 // requireNoLibraryLocks checks that no advisory lock in the library's namespace is left in
 // the test database once a suite is done.
 func requireNoLibraryLocks(t *testing.T) {

@@ -10,3 +10,6 @@ func PIDsRemembered() int {
 const MaxPIDs = maxPIDs
 
 const MaxStmtsPerConn = maxStmtsPerConn
+
+// SQLitePrepares counts the statements p has prepared.
+func SQLitePrepares(p *SQLitePool) int64 { return p.prep.prepares.Load() }

@@ -41,6 +41,8 @@ type SQLitePool struct {
 	ready  sync.Map // driver connection -> struct{}: checked and set up
 	nready atomic.Int64
 
+	prep *stmtCache // the statements with arguments, prepared once per connection
+
 	gateMu      sync.Mutex
 	gate        *writeGate // the database file's, once known
 	releaseGate func()     // gives back the pool's reference to gate
@@ -125,7 +127,19 @@ func SQLiteGatePaths() []string {
 
 // NewSQLitePool wraps a caller's *sql.DB: its connections are checked and set up before first
 // use; the library never closes it.
-func NewSQLitePool(db *sql.DB) *SQLitePool { return &SQLitePool{DB: db} }
+func NewSQLitePool(db *sql.DB) *SQLitePool { return &SQLitePool{DB: db, prep: newSQLiteStmtCache()} }
+
+// newSQLiteStmtCache is the statement cache of a SQLite pool. SQLite parses and plans a
+// statement each time it is prepared, which for the library's claim and settlement statements
+// cost more than running them; a prepared statement stays valid through schema changes (SQLite
+// prepares it again itself). A statement that Cancel interrupted leaves its connection usable:
+// it is not closed (an in-memory database whose DSN does not share it lives in its one
+// connection).
+func newSQLiteStmtCache() *stmtCache {
+	c := newStmtCache()
+	c.keepOnCancel = true
+	return c
+}
 
 // OpenSQLitePool opens a *sql.DB of the "sqlite" driver on dsn, whose settings the caller
 // (the broker) put in the DSN. With memory set, one connection is held open for the pool's
@@ -150,7 +164,7 @@ func OpenSQLitePool(dsn, path string, maxConns int, memory bool) (*SQLitePool, e
 	}
 	db.SetMaxOpenConns(maxConns)
 	db.SetMaxIdleConns(maxConns)
-	p := &SQLitePool{DB: db, preset: true}
+	p := &SQLitePool{DB: db, preset: true, prep: newSQLiteStmtCache()}
 	p.gate, p.releaseGate = gateOf(path)
 	if memory {
 		c, err := db.Conn(context.Background())
@@ -273,6 +287,7 @@ func (p *SQLitePool) forget(key any) {
 	if _, had := p.ready.LoadAndDelete(key); had {
 		p.nready.Add(-1)
 	}
+	p.prep.forget(key)
 }
 
 // ReadyConns counts the connections the pool remembers as set up.
@@ -439,6 +454,10 @@ func (c *sqliteConn) Exec(ctx context.Context, query string, args ...any) (int64
 		return 0, done(err)
 	}
 	defer unlock()
+	if len(args) > 0 {
+		_, n, err := c.pool.prep.run(ctx, c.c, query, args, true)
+		return n, done(err)
+	}
 	res, err := c.c.ExecContext(ctx, query, args...)
 	if err != nil {
 		return 0, done(err)
@@ -463,6 +482,15 @@ func (c *sqliteConn) query(ctx context.Context, write bool, query string, args [
 		if unlock, err = c.lockWrite(ctx); err != nil {
 			return nil, done(err)
 		}
+	}
+	if len(args) > 0 {
+		// Read whole before it returns: the statement is over, its write done.
+		rows, _, err := c.pool.prep.run(ctx, c.c, query, args, false)
+		unlock()
+		if err = done(err); err != nil {
+			return nil, err
+		}
+		return rows, nil
 	}
 	rows, err := c.c.QueryContext(ctx, query, args...)
 	if err != nil {

@@ -9,10 +9,12 @@ import (
 	"io"
 	"reflect"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
-// Prepared statements on a database/sql pool (NewStdPoolPrepared).
+// Prepared statements on a database/sql pool: lib/pq's when the caller asks for them
+// (NewStdPoolPrepared), SQLite's always (see newSQLiteStmtCache).
 //
 // lib/pq sends every statement with arguments as an unnamed one: a round trip to parse it, one
 // to run it, and the server plans it again each time. pgx prepares each statement once per
@@ -45,13 +47,18 @@ const maxPreparedConns = 512
 type stmtCache struct {
 	mu    sync.Mutex
 	conns map[any]*connStmts
+	// keepOnCancel keeps a connection whose statement's context ended (SQLite, where an
+	// interrupted statement leaves the connection as it was); otherwise it is closed.
+	keepOnCancel bool
+	prepares     atomic.Int64 // statements prepared, for tests
 }
 
 // connStmts are the statements of one driver connection. They are used only inside Raw on
 // that connection, which database/sql runs one at a time: they need no lock of their own.
 type connStmts struct {
-	stmts map[string]*preparedStmt
-	tick  uint64
+	stmts    map[string]*preparedStmt
+	tick     uint64
+	prepares *atomic.Int64 // the cache's count
 }
 
 type preparedStmt struct {
@@ -70,7 +77,7 @@ func (c *stmtCache) of(dc any) *connStmts {
 		if len(c.conns) >= maxPreparedConns {
 			clear(c.conns)
 		}
-		cs = &connStmts{stmts: map[string]*preparedStmt{}}
+		cs = &connStmts{stmts: map[string]*preparedStmt{}, prepares: &c.prepares}
 		c.conns[dc] = cs
 	}
 	return cs
@@ -108,6 +115,7 @@ func (cs *connStmts) prepared(ctx context.Context, dc any, query string) (driver
 	if err != nil {
 		return nil, err
 	}
+	cs.prepares.Add(1)
 	cs.stmts[query] = &preparedStmt{st: st, used: cs.tick}
 	return st, nil
 }
@@ -133,10 +141,10 @@ func staleStatement(err error) bool {
 }
 
 // run runs query on c's driver connection as a statement prepared there, and returns its
-// rows, read whole; with exec, the rows it affected instead. As lib/pq does for a statement
-// it was not asked to prepare, a statement whose context ended while it ran leaves its
-// connection broken, to be closed: the server may yet act on the cancel request, and it must
-// not reach the connection's next statement.
+// rows, read whole; with exec, the rows it affected instead. Unless keepOnCancel, and as
+// lib/pq does for a statement it was not asked to prepare, a statement whose context ended
+// while it ran leaves its connection broken, to be closed: the server may yet act on the
+// cancel request, and it must not reach the connection's next statement.
 func (p *stmtCache) run(ctx context.Context, c *sql.Conn, query string, args []any, exec bool) (rows *memRows, affected int64, err error) {
 	if err := ctx.Err(); err != nil {
 		return nil, 0, err
@@ -152,11 +160,12 @@ func (p *stmtCache) run(ctx context.Context, c *sql.Conn, query string, args []a
 			}
 			break
 		}
-		bad := ctx.Err() != nil
-		if v, ok := dc.(driver.Validator); ok && !v.IsValid() {
-			bad = true
+		if v, ok := dc.(driver.Validator); ok && !v.IsValid() && !p.keepOnCancel {
+			// Broken: database/sql discards it when it goes back to the pool. (SQLite's
+			// reports itself invalid for a moment after an interrupt, and is kept.)
+			p.forget(dc)
 		}
-		if bad {
+		if ctx.Err() != nil && !p.keepOnCancel {
 			p.forget(dc)
 			// database/sql closes a connection whose Raw returns ErrBadConn; the statement's
 			// own outcome is kept for the caller.
