@@ -37,6 +37,13 @@ type BrokerConfig struct {
 
 	// CloseTimeout bounds Close, which runs Shutdown with it. Defaults to DefaultCloseTimeout.
 	CloseTimeout time.Duration
+
+	// PrepareStatements has the pool of a libpq+postgres:// URL prepare the library's
+	// statements once per connection, as StdSQLPrepared does: much faster through lib/pq, and
+	// not behind a transaction-mode pooler that does not track prepared statements. Only for
+	// lib/pq: pgx prepares statements by default (unless the URL sets
+	// default_query_exec_mode), and SQLite always does.
+	PrepareStatements bool
 }
 
 func (c *BrokerConfig) setDefaults() {
@@ -49,6 +56,11 @@ func (c *BrokerConfig) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = DefaultCloseTimeout
 	}
+}
+
+// errPrepareLibPQOnly refuses PrepareStatements on a URL that is not lib/pq's.
+func errPrepareLibPQOnly(why string) error {
+	return &ConfigError{Field: "PrepareStatements", Value: true, Reason: "applies to libpq+postgres:// URLs only: " + why}
 }
 
 func (c *BrokerConfig) validate() error {
@@ -111,11 +123,17 @@ func Open(rawURL string, config BrokerConfig, logger watermill.LoggerAdapter) (*
 		logger = watermill.NopLogger{}
 	}
 	if rest, ok := strings.CutPrefix(rawURL, "sqlite:"); ok {
+		if config.PrepareStatements {
+			return nil, errPrepareLibPQOnly("SQLite always prepares them")
+		}
 		return openSQLite(rest, config, logger)
 	}
 	driver, connURL, display, err := parseBrokerURL(rawURL)
 	if err != nil {
 		return nil, err
+	}
+	if config.PrepareStatements && driver != "lib/pq" {
+		return nil, errPrepareLibPQOnly("pgx prepares them by default, unless the URL sets default_query_exec_mode")
 	}
 	b := &Broker{config: config, logger: logger, driver: driver, display: display, done: make(chan struct{})}
 	switch driver {
@@ -140,7 +158,11 @@ func Open(rawURL string, config BrokerConfig, logger watermill.LoggerAdapter) (*
 		}
 		db.SetMaxOpenConns(config.MaxConns)
 		db.SetMaxIdleConns(config.MaxConns)
-		b.pool = dbx.NewStdPool(db)
+		if config.PrepareStatements {
+			b.pool = dbx.NewStdPoolPrepared(db)
+		} else {
+			b.pool = dbx.NewStdPool(db)
+		}
 	}
 	return b, nil
 }

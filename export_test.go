@@ -55,3 +55,9 @@ func SQLiteReadyConns(db DB) int { return db.pool.(*dbx.SQLitePool).ReadyConns()
 
 // SQLiteMaxReady bounds SQLiteReadyConns.
 const SQLiteMaxReady = dbx.SQLiteMaxReady
+
+// BrokerPrepares reports whether b's pool prepares the library's statements per connection.
+func BrokerPrepares(b *Broker) bool {
+	p, ok := b.pool.(*dbx.StdPool)
+	return ok && p.Prepared()
+}

@@ -436,3 +436,41 @@ func TestOpen_badURLs(t *testing.T) {
 	assert.Contains(t, err.Error(), "127.0.0.1")
 	assert.NotContains(t, err.Error(), "secret")
 }
+
+// PrepareStatements gives a libpq+postgres:// broker a pool that prepares the library's
+// statements per connection, and a publish and a delivery run on it; on the URLs of pgx and
+// SQLite, which prepare statements by themselves, it is refused by name.
+func TestOpen_prepareStatements(t *testing.T) {
+	t.Parallel()
+	for _, scheme := range []string{"postgres", "sqlite"} {
+		url, _, _, _ := brokerTarget(t, scheme)
+		_, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{PrepareStatements: true}, nil)
+		var ce *sqlbroker.ConfigError
+		require.ErrorAs(t, err, &ce, scheme)
+		assert.Equal(t, "PrepareStatements", ce.Field, scheme)
+	}
+	url, _, _, _ := brokerTarget(t, "libpq+postgres")
+	plain, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
+	require.NoError(t, err)
+	defer plain.Close()
+	assert.False(t, sqlbroker.BrokerPrepares(plain))
+
+	b, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{PrepareStatements: true}, nil)
+	require.NoError(t, err)
+	defer b.Close()
+	require.True(t, sqlbroker.BrokerPrepares(b))
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	require.NoError(t, b.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic))
+	pub, err := b.NewPublisher(sqlbroker.PublisherConfig{})
+	require.NoError(t, err)
+	sent := publish(t, pub, topic, "prepared")
+	sub, err := b.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: "g"})
+	require.NoError(t, err)
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := receive(t, msgs, 10*time.Second)
+	assert.Equal(t, sent[0].UUID, m.UUID)
+	m.Ack()
+	testdb.Eventually(t, 10*time.Second, "the ack applied", func() bool { return sub.Stats().Acked == 1 })
+}
