@@ -358,19 +358,77 @@ func assign(dest, src any) error {
 	case *time.Time:
 		return via(d, src)
 	}
-	// A pointer to a pointer: nil for NULL, else the value assigned to a new one.
 	pv := reflect.ValueOf(dest)
-	if pv.Kind() == reflect.Pointer && !pv.IsNil() && pv.Elem().Kind() == reflect.Pointer {
+	if pv.Kind() != reflect.Pointer || pv.IsNil() {
+		return fmt.Errorf("cannot scan into %T: not a pointer", dest)
+	}
+	dv := pv.Elem()
+	switch dv.Kind() {
+	case reflect.Pointer:
+		// A pointer to a pointer: nil for NULL, else the value assigned to a new one.
 		if src == nil {
-			pv.Elem().SetZero()
+			dv.SetZero()
 			return nil
 		}
-		nv := reflect.New(pv.Elem().Type().Elem())
+		nv := reflect.New(dv.Type().Elem())
 		if err := assign(nv.Interface(), src); err != nil {
 			return err
 		}
-		pv.Elem().Set(nv)
+		dv.Set(nv)
 		return nil
+	// A type of the library's or the caller's over a basic kind, as database/sql converts it.
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		var n int64
+		if err := via(&n, src); err != nil {
+			return err
+		}
+		if dv.OverflowInt(n) {
+			return fmt.Errorf("value %d overflows %s", n, dv.Type())
+		}
+		dv.SetInt(n)
+		return nil
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		var n uint64
+		if err := via(&n, src); err != nil {
+			return err
+		}
+		if dv.OverflowUint(n) {
+			return fmt.Errorf("value %d overflows %s", n, dv.Type())
+		}
+		dv.SetUint(n)
+		return nil
+	case reflect.Float32, reflect.Float64:
+		var f float64
+		if err := via(&f, src); err != nil {
+			return err
+		}
+		dv.SetFloat(f)
+		return nil
+	case reflect.String:
+		var s string
+		if err := via(&s, src); err != nil {
+			return err
+		}
+		dv.SetString(s)
+		return nil
+	case reflect.Bool:
+		var b bool
+		if err := via(&b, src); err != nil {
+			return err
+		}
+		dv.SetBool(b)
+		return nil
+	case reflect.Slice:
+		if dv.Type().Elem().Kind() == reflect.Uint8 {
+			var b []byte
+			if src != nil {
+				if err := via(&b, src); err != nil {
+					return err
+				}
+			}
+			dv.SetBytes(b)
+			return nil
+		}
 	}
 	return fmt.Errorf("cannot scan %T into %T", src, dest)
 }

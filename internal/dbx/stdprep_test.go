@@ -252,3 +252,33 @@ func TestStdPrepared_cancelledStatementClosesItsConnection(t *testing.T) {
 		}
 	})
 }
+
+// Destinations of a named type over a basic kind are converted as database/sql converts them;
+// a value that does not fit is an error, not a silent truncation.
+func TestStdPrepared_namedTypes(t *testing.T) {
+	p, _ := preparedPool(t)
+	ctx := context.Background()
+	type small int8
+	type name string
+	type blob []byte
+	type flag bool
+	type ratio float32
+	onConn(t, p, func(c dbx.Conn) {
+		var (
+			s small
+			n name
+			b blob
+			f flag
+			r ratio
+			u uint16
+		)
+		err := dbx.QueryRow(ctx, c, "SELECT $1::int, $2::text, $3::bytea, $4::bool, $5::float8, $6::int",
+			[]any{-5, "x", []byte{7}, true, 0.5, 65535}, &s, &n, &b, &f, &r, &u)
+		if err != nil || s != -5 || n != "x" || !bytes.Equal(b, []byte{7}) || !bool(f) || r != 0.5 || u != 65535 {
+			t.Fatalf("%v %q %v %v %v %v: %v", s, n, b, f, r, u, err)
+		}
+		if err := dbx.QueryRow(ctx, c, "SELECT $1::int", []any{300}, &s); err == nil {
+			t.Fatalf("300 scanned into an int8 type: %d", s)
+		}
+	})
+}
