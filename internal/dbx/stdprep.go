@@ -378,46 +378,27 @@ func assign(dest, src any) error {
 		return nil
 	// A type of the library's or the caller's over a basic kind, as database/sql converts it.
 	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
-		var n int64
-		if err := via(&n, src); err != nil {
-			return err
-		}
-		if dv.OverflowInt(n) {
-			return fmt.Errorf("value %d overflows %s", n, dv.Type())
-		}
-		dv.SetInt(n)
-		return nil
+		return viaSet(src, func(n int64) error {
+			if dv.OverflowInt(n) {
+				return fmt.Errorf("value %d overflows %s", n, dv.Type())
+			}
+			dv.SetInt(n)
+			return nil
+		})
 	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
-		var n uint64
-		if err := via(&n, src); err != nil {
-			return err
-		}
-		if dv.OverflowUint(n) {
-			return fmt.Errorf("value %d overflows %s", n, dv.Type())
-		}
-		dv.SetUint(n)
-		return nil
+		return viaSet(src, func(n uint64) error {
+			if dv.OverflowUint(n) {
+				return fmt.Errorf("value %d overflows %s", n, dv.Type())
+			}
+			dv.SetUint(n)
+			return nil
+		})
 	case reflect.Float32, reflect.Float64:
-		var f float64
-		if err := via(&f, src); err != nil {
-			return err
-		}
-		dv.SetFloat(f)
-		return nil
+		return viaSet(src, func(f float64) error { dv.SetFloat(f); return nil })
 	case reflect.String:
-		var s string
-		if err := via(&s, src); err != nil {
-			return err
-		}
-		dv.SetString(s)
-		return nil
+		return viaSet(src, func(v string) error { dv.SetString(v); return nil })
 	case reflect.Bool:
-		var b bool
-		if err := via(&b, src); err != nil {
-			return err
-		}
-		dv.SetBool(b)
-		return nil
+		return viaSet(src, func(b bool) error { dv.SetBool(b); return nil })
 	case reflect.Slice:
 		if dv.Type().Elem().Kind() == reflect.Uint8 {
 			var b []byte
@@ -431,6 +412,15 @@ func assign(dest, src any) error {
 		}
 	}
 	return fmt.Errorf("cannot scan %T into %T", src, dest)
+}
+
+// viaSet converts src into a T (see via) and hands it to set.
+func viaSet[T any](src any, set func(T) error) error {
+	var v T
+	if err := via(&v, src); err != nil {
+		return err
+	}
+	return set(v)
 }
 
 // via converts src into *d by database/sql's own rules, which sql.Null's Scan applies.
