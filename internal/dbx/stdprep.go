@@ -302,8 +302,8 @@ func (r *memRows) Err() error { return nil }
 func (r *memRows) Close()     { r.i = len(r.rows) }
 
 // Scan converts as database/sql's Rows.Scan does, for the destinations the library scans
-// into: sql.Scanner, the numbers, string, []byte, bool, time.Time, any, and a pointer to one of
-// those, set to nil by NULL.
+// into: sql.Scanner, any, time.Time, a type whose kind is a number, string, bool or byte
+// slice, and a pointer to one of those, set to nil by NULL.
 func (r *memRows) Scan(dest ...any) error {
 	if r.i < 0 || r.i >= len(r.rows) {
 		return errors.New("dbx: Scan called without a row")
@@ -339,21 +339,7 @@ func assign(dest, src any) error {
 		return via(d, src)
 	case *string:
 		return via(d, src)
-	case *int64:
-		return via(d, src)
-	case *int32:
-		return via(d, src)
-	case *int:
-		return via(d, src)
-	case *int16:
-		return via(d, src)
-	case *uint32:
-		return via(d, src)
-	case *uint64:
-		return via(d, src)
-	case *float64:
-		return via(d, src)
-	case *bool:
+	case *int64: // the most common, without reflection
 		return via(d, src)
 	case *time.Time:
 		return via(d, src)
