@@ -22,8 +22,8 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
-// The environment of TestKeyRepositoryChild: the database ("pgx" or "sqlite:" and a path),
-// the topic, the key table, the table that records handlings, and the process's name.
+// The environment of TestKeyRepositoryChild: the database ("pgx:" and a name, or "sqlite:" and
+// a path), the topic, the key table, the table that records handlings, and the process's name.
 const (
 	dedupChildDB      = "SQLBROKER_DEDUP_CHILD_DB"
 	dedupChildTopic   = "SQLBROKER_DEDUP_CHILD_TOPIC"
@@ -48,7 +48,7 @@ func TestKeyRepositoryChild(t *testing.T) {
 	var db sqlbroker.DB
 	var record func(stage string, m *message.Message) error
 	insert := `INSERT INTO "` + results + `" (proc, stage, key) VALUES ($1, $2, $3)`
-	if where == "pgx" {
+	if strings.HasPrefix(where, "pgx") { // "pgx", or "pgx:" and an application_name (redriveDatabases)
 		pool := testdb.Pgx(t)
 		db = sqlbroker.Pgx(pool)
 		record = func(stage string, m *message.Message) error {
