@@ -25,11 +25,11 @@ import (
 // driver connection and kept in a cache, and their rows are read whole before Raw returns
 // (database/sql does not let a driver connection out of Raw).
 //
-// A named prepared statement belongs to the server session that prepared it: behind a
-// transaction-mode pooler (PgBouncer with pool_mode = transaction and no
+// On PostgreSQL a named prepared statement belongs to the server session that prepared it:
+// behind a transaction-mode pooler (PgBouncer with pool_mode = transaction and no
 // max_prepared_statements), the next statement of a client connection may go to another
-// session, which knows no such statement or has another one of that name. That is why this is
-// chosen by the caller and never on by default.
+// session, which knows no such statement or has another one of that name. That is why lib/pq's
+// pools prepare only when the caller asks. SQLite runs in the process, with no pooler between.
 
 // maxStmtsPerConn bounds the statements kept prepared on one driver connection: the library's
 // statements name their tables, so a process with many topics has many texts. Past it, the
