@@ -176,14 +176,7 @@ func TestClaimPlanStaysFlat(t *testing.T) {
 	}
 	store := offsets.NewStore(tables, true)
 	const backlog, batch = 30_000, 10
-	rows := make([]offsets.Row, backlog)
-	for i := range rows {
-		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: make([]byte, 64), Metadata: "{}"}
-	}
-	if err := store.Insert(ctx, db, rows, ""); err != nil {
-		t.Fatal(err)
-	}
-	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	insertMessages(t, ctx, store, db, backlog, 64)
 	if _, err := testdb.Pgx(t).Exec(ctx, "ANALYZE "+tables.Messages); err != nil {
 		t.Fatal(err)
 	}
@@ -255,14 +248,7 @@ func TestSettlePlansStayFlat(t *testing.T) {
 	}
 	store := offsets.NewStore(tables, true)
 	const settled, batch = 20_000, 100
-	rows := make([]offsets.Row, settled+21*batch)
-	for i := range rows {
-		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: make([]byte, 64), Metadata: "{}"}
-	}
-	if err := store.Insert(ctx, db, rows, ""); err != nil {
-		t.Fatal(err)
-	}
-	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	insertMessages(t, ctx, store, db, settled+21*batch, 64)
 	gid, err := store.EnsureGroup(ctx, db, "g", false)
 	if err != nil {
 		t.Fatal(err)
@@ -442,14 +428,7 @@ func TestMaintainReplansGrownClaims(t *testing.T) {
 	}
 	store := offsets.NewStore(tables, true)
 	const rounds = 16
-	rows := make([]offsets.Row, 2*rounds)
-	for i := range rows {
-		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: make([]byte, 16), Metadata: "{}"}
-	}
-	if err := store.Insert(ctx, db, rows, ""); err != nil {
-		t.Fatal(err)
-	}
-	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	insertMessages(t, ctx, store, db, 2*rounds, 16)
 	conn, plans := explainedConn(t, ctx, "SET auto_explain.log_buffers = on")
 	q := dbx.PgxConn(conn)
 	gid, err := store.EnsureGroup(ctx, q, "g", false)
@@ -611,6 +590,21 @@ func TestClaimsKeepGenericPlans(t *testing.T) {
 }
 
 // createTables creates the tables of a new topic and returns them with the pool they were
+
+// insertMessages writes n messages of payload bytes each through store (their UUIDs 0 to
+// n-1) and waits until every claim can see them.
+func insertMessages(t *testing.T, ctx context.Context, store *offsets.Store, db dbx.Querier, n, payload int) {
+	t.Helper()
+	rows := make([]offsets.Row, n)
+	for i := range rows {
+		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: make([]byte, payload), Metadata: "{}"}
+	}
+	if err := store.Insert(ctx, db, rows, ""); err != nil {
+		t.Fatal(err)
+	}
+	testdb.WaitHorizon(t, ctx, db, store.T.Messages)
+}
+
 // created through.
 func createTables(t *testing.T, ctx context.Context) (offsets.Tables, *pgxpool.Pool, *dbx.PgxPool) {
 	t.Helper()
@@ -697,14 +691,7 @@ func TestClaimSkipsPassedPartitions(t *testing.T) {
 	const size, parts, batch = 1000, 20, 10
 	testdb.SmallPartitions(t, tables, size, parts)
 	store := offsets.NewStore(tables, true)
-	rows := make([]offsets.Row, size*parts)
-	for i := range rows {
-		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: make([]byte, 64), Metadata: "{}"}
-	}
-	if err := store.Insert(ctx, db, rows, ""); err != nil {
-		t.Fatal(err)
-	}
-	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	insertMessages(t, ctx, store, db, size*parts, 64)
 	if _, err := pool.Exec(ctx, "ANALYZE "+tables.Messages); err != nil {
 		t.Fatal(err)
 	}
