@@ -69,17 +69,24 @@ func TestSQLitePrepared_oncePerConnectionAndKeptThroughACancel(t *testing.T) {
 		var n int64
 		done <- dbx.QueryRow(ctx, c, `WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r WHERE x < $1) SELECT count(*) FROM r`, []any{int64(1e9)}, &n)
 	}()
-	time.Sleep(200 * time.Millisecond)
-	if _, err := c.Cancel(ctx); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case err := <-done:
-		if dbx.SQLState(err) != dbx.CodeQueryCanceled {
-			t.Fatalf("interrupted statement: %v", err)
+	// Cancel interrupts the statement running now, if any: sent until the statement ends,
+	// since it may not have begun at the first.
+	deadline := time.After(10 * time.Second)
+wait:
+	for {
+		if _, err := c.Cancel(ctx); err != nil {
+			t.Fatal(err)
 		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the interrupt did not end the statement")
+		select {
+		case err := <-done:
+			if dbx.SQLState(err) != dbx.CodeQueryCanceled {
+				t.Fatalf("interrupted statement: %v", err)
+			}
+			break wait
+		case <-time.After(20 * time.Millisecond):
+		case <-deadline:
+			t.Fatal("the interrupt did not end the statement")
+		}
 	}
 	prepared := dbx.SQLitePrepares(pool)
 	rows, err := c.Query(ctx, q, 4)
