@@ -48,8 +48,7 @@ func TestKeyRepositoryChild(t *testing.T) {
 	var db sqlbroker.DB
 	var record func(stage string, m *message.Message) error
 	insert := `INSERT INTO "` + results + `" (proc, stage, key) VALUES ($1, $2, $3)`
-	if strings.HasPrefix(where, "pgx") { // "pgx", or "pgx:" and an application_name (redriveDatabases)
-		pool := testdb.Pgx(t)
+	if pool, ok := childPool(t, where, 30); ok {
 		db = sqlbroker.Pgx(pool)
 		record = func(stage string, m *message.Message) error {
 			_, err := pool.Exec(ctx, insert, name, stage, m.UUID)

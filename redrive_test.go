@@ -5,6 +5,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"io"
 	"os"
 	"os/exec"
@@ -41,6 +42,17 @@ var redriveDatabases = []struct {
 	}},
 }
 
+// childPool opens, in a child process, the pgx pool of a database of redriveDatabases
+// ("pgx:" and a name): its connections carry the name as their application_name, so that the
+// parent can see them go. It reports false for a SQLite database.
+func childPool(t *testing.T, where string, maxConns int) (*pgxpool.Pool, bool) {
+	app, ok := strings.CutPrefix(where, "pgx:")
+	if !ok {
+		return nil, false
+	}
+	return ownPgxPool(t, app, maxConns), true
+}
+
 // deadLetters writes n messages to the dead-letter topic dead as MaxAttempts would have moved
 // them from topic, and returns them.
 func deadLetters(t *testing.T, db sqlbroker.DB, topic, dead string, n int) []*message.Message {
@@ -66,9 +78,8 @@ func TestRedriveChild(t *testing.T) {
 		t.Skip("run by TestRedrive_killedMidwayThenFinished")
 	}
 	var db sqlbroker.DB
-	if app, ok := strings.CutPrefix(where, "pgx:"); ok {
-		// A pool of its own, named, so that the parent can see its backends go.
-		db = sqlbroker.Pgx(ownPgxPool(t, app, 4))
+	if pool, ok := childPool(t, where, 4); ok {
+		db = sqlbroker.Pgx(pool)
 	} else {
 		h, err := sql.Open("sqlite", "file:"+where[len("sqlite:"):])
 		require.NoError(t, err)
