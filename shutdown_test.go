@@ -60,15 +60,25 @@ func backends(t *testing.T, app string) int {
 // write lock instead, which TestSQLite_shutdownInterruptsClaimInFlight holds.
 func TestShutdown_S3_cancelledClaimRollsBack(t *testing.T) {
 	t.Parallel()
+	// pgx, and lib/pq with prepared statements, whose claims run on the driver's connection.
+	for _, d := range []database{{"pgx", pgxDB}, {"libpq-prepared", func(t *testing.T) sqlbroker.DB { return sqlbroker.StdSQLPrepared(testdb.Std(t)) }}} {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			testCancelledClaimRollsBack(t, d.open(t))
+		})
+	}
+}
+
+func testCancelledClaimRollsBack(t *testing.T, db sqlbroker.DB) {
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
-	pub := newPublisher(t, pgxDB(t))
+	pub := newPublisher(t, db)
 	publish(t, pub, topic, "x")
-	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 10 * time.Millisecond})
+	sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "g", PollInterval: 10 * time.Millisecond})
 	require.NoError(t, sub.SubscribeInitialize(topic))
 
 	// Hold the group's row: the next claim waits on it.
-	seed := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g"})
+	seed := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{ConsumerGroup: "g"})
 	seedMsgs, err := seed.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	receive(t, seedMsgs, 10*time.Second).Ack()
