@@ -129,65 +129,85 @@ func ungrantedLocks(t *testing.T, app string) int {
 // keep their locks, in lease mode their leases are extended once the lock goes (the default
 // lease, 30 s, outlasts it); their acks, made while the tables are locked, are applied once
 // the lock goes. No lease lost, no redelivery.
+//
+// An ACCESS EXCLUSIVE lock is WAL-logged, so the transaction holding it has a transaction id
+// and holds every message written after it back from delivery, in every topic of the server,
+// for the 7 s of the lock (a message is delivered only once every transaction older than it
+// has ended). The test therefore runs alone, not beside the package's parallel tests, and every
+// case has received its messages before the first lock is taken.
 func TestAdvisory_C1_tableLockKeepsLocks(t *testing.T) {
-	t.Parallel()
+	const n = 4
+	const hold = 7 * time.Second
+	type c1Case struct {
+		name   string
+		app    string
+		topic  string
+		key1   int32
+		sub    *sqlbroker.Subscriber
+		ch     <-chan *message.Message
+		inWork []*message.Message
+		locks  int // advisory locks held by the deliveries in work
+	}
+	var cases []c1Case
 	for _, mode := range []sqlbroker.ClaimMode{sqlbroker.ClaimAdvisoryLock, sqlbroker.ClaimLease} {
 		for _, d := range []string{"pgx", "libpq"} {
-			t.Run(mode.String()+"/"+d, func(t *testing.T) {
-				t.Parallel()
-				const n = 4
-				const hold = 7 * time.Second
-				db, app := appDB(t, d)
-				topic, group := advTopic("adv_c1"), "g"
-				key1 := lockKey1(topic, group)
-				publishN(t, db, topic, n)
-				sub := advSubscriber(t, db, group, func(c *sqlbroker.SubscriberConfig) {
-					c.PollInterval = 50 * time.Millisecond
-					c.ClaimMode = mode
-				})
-				ch, err := sub.Subscribe(context.Background(), topic)
-				require.NoError(t, err)
-				inWork := receiveAll(t, ch, n)
-				locks := n
-				if mode == sqlbroker.ClaimLease {
-					locks = 0
-				}
-				require.Equal(t, locks, advisoryLocks(t, key1))
-
-				release := lockTopicTables(t, topic)
-				lockedAt := time.Now()
-				testdb.Eventually(t, 10*time.Second, "a claim waiting on the table lock", func() bool {
-					return len(waitingOnLock(t, app)) > 0
-				})
-				for _, m := range inWork {
-					m.Ack() // blocked behind the table lock too
-				}
-				// The fault itself is the time the lock is held; meanwhile the claims stay.
-				for time.Since(lockedAt) < hold {
-					require.Equal(t, locks, advisoryLocks(t, key1), "advisory locks of the deliveries in work, %s into the table lock", time.Since(lockedAt).Round(time.Millisecond))
-					for _, m := range inWork {
-						require.NoError(t, m.Context().Err(), "a delivery's context ended under the table lock")
-					}
-					time.Sleep(100 * time.Millisecond)
-				}
-				release()
-
-				testdb.Eventually(t, 15*time.Second, "the acks applied after the table lock", func() bool { return sub.Stats().Acked == n })
-				st := sub.Stats()
-				assert.EqualValues(t, 0, st.LeasesLost)
-				assert.EqualValues(t, 0, st.StaleSettlements)
-				assert.Equal(t, 0, claimRows(t, topic))
-				testdb.Eventually(t, 5*time.Second, "no lock left", func() bool { return advisoryLocks(t, key1) == 0 })
-				select {
-				case m := <-ch:
-					t.Fatalf("message %s delivered again (attempt %s)", m.UUID, m.Metadata.Get(sqlbroker.MetadataAttempt))
-				case <-time.After(500 * time.Millisecond):
-				}
-				_, err = sub.Shutdown(context.Background())
-				require.NoError(t, err)
-				requireNoLocksLeft(t, key1)
+			c := c1Case{name: mode.String() + "/" + d, topic: advTopic("adv_c1")}
+			var db sqlbroker.DB
+			db, c.app = appDB(t, d)
+			c.key1 = lockKey1(c.topic, "g")
+			publishN(t, db, c.topic, n)
+			c.sub = advSubscriber(t, db, "g", func(cfg *sqlbroker.SubscriberConfig) {
+				cfg.PollInterval = 50 * time.Millisecond
+				cfg.ClaimMode = mode
 			})
+			t.Cleanup(func() { _ = c.sub.Close() }) // a failing case still stops it
+			var err error
+			c.ch, err = c.sub.Subscribe(context.Background(), c.topic)
+			require.NoError(t, err)
+			c.inWork = receiveAll(t, c.ch, n)
+			if mode == sqlbroker.ClaimAdvisoryLock {
+				c.locks = n
+			}
+			require.Equal(t, c.locks, advisoryLocks(t, c.key1), c.name)
+			cases = append(cases, c)
 		}
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			release := lockTopicTables(t, c.topic)
+			lockedAt := time.Now()
+			testdb.Eventually(t, 10*time.Second, "a claim waiting on the table lock", func() bool {
+				return len(waitingOnLock(t, c.app)) > 0
+			})
+			for _, m := range c.inWork {
+				m.Ack() // blocked behind the table lock too
+			}
+			// The fault itself is the time the lock is held; meanwhile the claims stay.
+			for time.Since(lockedAt) < hold {
+				require.Equal(t, c.locks, advisoryLocks(t, c.key1), "advisory locks of the deliveries in work, %s into the table lock", time.Since(lockedAt).Round(time.Millisecond))
+				for _, m := range c.inWork {
+					require.NoError(t, m.Context().Err(), "a delivery's context ended under the table lock")
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+			release()
+
+			testdb.Eventually(t, 15*time.Second, "the acks applied after the table lock", func() bool { return c.sub.Stats().Acked == n })
+			st := c.sub.Stats()
+			assert.EqualValues(t, 0, st.LeasesLost)
+			assert.EqualValues(t, 0, st.StaleSettlements)
+			assert.Equal(t, 0, claimRows(t, c.topic))
+			testdb.Eventually(t, 5*time.Second, "no lock left", func() bool { return advisoryLocks(t, c.key1) == 0 })
+			select {
+			case m := <-c.ch:
+				t.Fatalf("message %s delivered again (attempt %s)", m.UUID, m.Metadata.Get(sqlbroker.MetadataAttempt))
+			case <-time.After(500 * time.Millisecond):
+			}
+			_, err := c.sub.Shutdown(context.Background())
+			require.NoError(t, err)
+			requireNoLocksLeft(t, c.key1)
+		})
 	}
 }
 
