@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
@@ -97,10 +98,26 @@ func (r *rawOps) insertEach(ctx context.Context, topic string, msgs []*message.M
 
 // rawOps are one contender's statements, run directly on its pool.
 type rawOps struct {
-	e *env
+	e      *env
+	mu     sync.Mutex
+	stores map[string]*offsets.Store
 }
 
-func newRawOps(e *env) *rawOps { return &rawOps{e: e} }
+func newRawOps(e *env) *rawOps { return &rawOps{e: e, stores: map[string]*offsets.Store{}} }
+
+// store returns topic's statements, built once per topic as the library's publisher and
+// subscriber build them: building them costs about as much as a single-row INSERT, and would
+// otherwise be timed with every statement.
+func (r *rawOps) store(topic string) *offsets.Store {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s, ok := r.stores[topic]
+	if !ok {
+		s = offsets.NewStore(r.e.tables(topic), true)
+		r.stores[topic] = s
+	}
+	return s
+}
 
 func (r *rawOps) insert(ctx context.Context, topic string, msgs []*message.Message) error {
 	if r.e.c == watermillSQL {
@@ -115,7 +132,7 @@ func (r *rawOps) insert(ctx context.Context, topic string, msgs []*message.Messa
 	for i, m := range msgs {
 		rows[i] = offsets.Row{UUID: m.UUID, Payload: m.Payload, Metadata: "{}"}
 	}
-	return offsets.NewStore(r.e.tables(topic), true).Insert(ctx, r.e.db, rows, "")
+	return r.store(topic).Insert(ctx, r.e.db, rows, "")
 }
 
 // drain claims and acks batches of 100 until want messages were settled. An empty claim while
@@ -208,7 +225,7 @@ func (r *rawOps) claimAcker(ctx context.Context, topic string) (func() (int, err
 		}, nil
 	}
 
-	store := offsets.NewStore(r.e.tables(topic), true)
+	store := r.store(topic)
 	gid, err := store.EnsureGroup(ctx, r.e.db, group, false)
 	if err != nil {
 		return nil, err
