@@ -47,6 +47,9 @@ func PublisherRunning(p *Publisher) int {
 // SubscriberRunning is the number of statements of s running now.
 func SubscriberRunning(s *Subscriber) int { return s.tracker.Running() }
 
+// SubscriberAcquiring is the number of the subscriber's statements waiting for a connection.
+func SubscriberAcquiring(s *Subscriber) int { return s.tracker.Acquiring() }
+
 // SQLiteGatePaths lists the database files whose write gates the process keeps.
 var SQLiteGatePaths = dbx.SQLiteGatePaths
 

@@ -71,10 +71,17 @@ func (l *leaseMode) claim(buf []offsets.Claimed, n int, due offsets.Due) ([]offs
 	if sub.ctx.Err() != nil {
 		return nil, 0, time.Time{}, sub.ctx.Err()
 	}
+	// The local deadline of the claims counts from sent: a time before the database wrote
+	// their leases, so that it never outlives them. It is taken once the claim has its
+	// connection, and for an ordered claim once it holds the group's lock: a wait for either
+	// (a pool whose connections are being dialled, another consumer's claim) would otherwise
+	// be taken off the lease, and at the start of a busy process leave too little of it for
+	// the first extensions.
 	sent := time.Now()
 	var pid uint32
 	claimed := buf
 	err := sub.s.tracker.RunConn(sub.ctx, stmtClaim, claimTimeout, func(ctx context.Context, conn dbx.Conn) error {
+		sent = time.Now()
 		// Known without a round trip on pgx, and asked once per connection on database/sql;
 		// 0 if it cannot be had. dropUnsure needs it after the connection is gone.
 		pid, _ = conn.PID(ctx)
@@ -82,7 +89,11 @@ func (l *leaseMode) claim(buf []offsets.Claimed, n int, due offsets.Due) ([]offs
 		if sub.cfg.OrderByKey {
 			// Ordered claims always look at what is due: a parked message's key frees when
 			// another message of its key is settled, by any consumer.
-			claimed, err = sub.store.ClaimOrdered(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, max(sub.claimer.passRoom, orderedPass), buf)
+			var locked time.Time
+			claimed, locked, err = sub.store.ClaimOrdered(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, max(sub.claimer.passRoom, orderedPass), buf)
+			if locked.After(sent) {
+				sent = locked
+			}
 			return err
 		}
 		claimed, err = sub.store.ClaimPassing(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, sub.claimer.passRoom, due, buf)
@@ -113,8 +124,7 @@ func (l *leaseMode) claim(buf []offsets.Claimed, n int, due offsets.Due) ([]offs
 // passed.
 func (l *leaseMode) confirm(cs []offsets.Claimed, token int64, sent time.Time) ([]offsets.Claimed, time.Time) {
 	sub := l.sub
-	at := time.Now()
-	done, err := l.extendRows(offsets.Fence(cs, token), 0)
+	done, at, err := l.extendRows(offsets.Fence(cs, token), 0)
 	if err != nil {
 		if !sub.stopping() {
 			sub.s.stats.errors.Add(1)
@@ -134,22 +144,25 @@ func (l *leaseMode) confirm(cs []offsets.Claimed, token int64, sent time.Time) (
 	return kept, at
 }
 
-// extendRows extends the leases of fs and returns the offsets extended. The statement is
+// extendRows extends the leases of fs and returns the offsets extended, and a time before the
+// database wrote their new leases: when the statement had its connection. The statement is
 // bounded by LeaseRenewInterval from the moment it has a connection; it waits for one that
 // long, or up to wait if longer. A pool busy with other work (handlers sharing it, claims
 // and settlements queued) hands connections out in turn: a wait given up at each renew
 // interval and begun again would go to the back of the line each time, and leases could run
 // out while the pool served everyone else.
-func (l *leaseMode) extendRows(fs []offsets.Fenced, wait time.Duration) (map[int64]bool, error) {
+func (l *leaseMode) extendRows(fs []offsets.Fenced, wait time.Duration) (map[int64]bool, time.Time, error) {
 	sub := l.sub
 	var done map[int64]bool
+	at := time.Now()
 	renew := sub.cfg.LeaseRenewInterval
 	err := sub.s.tracker.RunWaiting(context.WithoutCancel(sub.ctx), stmtExtend, max(wait, renew), renew, func(ctx context.Context, q dbx.Querier) error {
+		at = time.Now()
 		var err error
 		done, err = sub.store.Extend(ctx, q, sub.groupID, fs, sub.cfg.LeaseTTL)
 		return err
 	})
-	return done, err
+	return done, at, err
 }
 
 // orderedPass is how many messages an ordered claim may pass besides its room: those it
@@ -334,7 +347,6 @@ func (l *leaseMode) extendOnce() {
 	}
 	fs := make([]offsets.Fenced, 0, len(ds))
 	live := ds[:0]
-	now := time.Now()
 	var first time.Time // the earliest local deadline of those extended
 	for _, d := range ds {
 		d.mu.Lock()
@@ -351,7 +363,7 @@ func (l *leaseMode) extendOnce() {
 	// Wait for a connection until the statement could still end, within its own limit, before
 	// the first deadline: the leases are no worse off than after failed tries, and the wait
 	// keeps its place in the pool's line.
-	done, err := l.extendRows(fs, time.Until(first)-sub.cfg.LeaseRenewInterval)
+	done, at, err := l.extendRows(fs, time.Until(first)-sub.cfg.LeaseRenewInterval)
 	if err != nil && sub.stopping() {
 		return // Shutdown stopped it: the leases are left to run out
 	}
@@ -363,7 +375,7 @@ func (l *leaseMode) extendOnce() {
 		d.mu.Lock()
 		extended := err == nil && done[d.offset]
 		if extended {
-			d.deadline = now.Add(sub.cfg.LeaseTTL)
+			d.deadline = at.Add(sub.cfg.LeaseTTL)
 		}
 		// Refused while settling: the settlement deleted or moved the row. Refused once
 		// AckInTx has marked it: the extension was sent before and waited on the row for the

@@ -380,6 +380,21 @@ func (t *Tracker) Running() int {
 	return n
 }
 
+// Acquiring is the number of statements waiting for a connection now.
+func (t *Tracker) Acquiring() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n := 0
+	for _, c := range t.calls {
+		c.mu.Lock()
+		if c.phase == phaseAcquire {
+			n++
+		}
+		c.mu.Unlock()
+	}
+	return n
+}
+
 // StopResult says what Stop did.
 type StopResult struct {
 	// Cancelled counts by kind the statements the server ended on a cancel of the tracker's,

@@ -32,8 +32,9 @@ type database interface {
 	claimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due Due, out []Claimed) ([]Claimed, error)
 	heldBack(ctx context.Context, q dbx.Querier, groupID int32) (int, error)
 	// claimOrdered is claim for a group ordered by key, in a transaction of its own begun on
-	// b; nil, ErrOrderUnsupported where the database has none.
-	claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, error)
+	// b; nil, ErrOrderUnsupported where the database has none. It also returns when the
+	// transaction held the group's lock (see Store.ClaimOrdered).
+	claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error)
 
 	// Settlements: ack, nack, release and extend (d is the backoff or the lease), and the move
 	// of claims to another topic's messages table.

@@ -70,7 +70,7 @@ func testClaimOrderedOnePerKey(t *testing.T, name string) {
 	claim := func(token int64) map[string]offsets.Claimed {
 		t.Helper()
 		got := map[string]offsets.Claimed{}
-		cs, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, 100, nil)
+		cs, _, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, 100, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -137,7 +137,7 @@ func TestClaimOrdered_parkedGoInGroupOrderNotOffsetOrder(t *testing.T) {
 	}
 	claim := func(token int64) []string {
 		t.Helper()
-		cs, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, 100, nil)
+		cs, _, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, 100, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -230,7 +230,7 @@ func TestClaimOrdered_parkedDelayedMessageWaitsForItsTime(t *testing.T) {
 			}
 			claim := func(token int64) ([]string, []time.Time, []offsets.Claimed) {
 				t.Helper()
-				cs, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, 100, nil)
+				cs, _, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, 100, nil)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -304,7 +304,7 @@ func TestClaimOrdered_parkedCapStopsNewMessages(t *testing.T) {
 			var taken []offsets.Claimed
 			claim := func(token int64) {
 				t.Helper()
-				cs, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, pass, nil)
+				cs, _, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, pass, nil)
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -744,7 +744,7 @@ func TestClaimSkipsPassedPartitions(t *testing.T) {
 			return len(c), err
 		},
 		"ordered": func(tok int64) (int, error) {
-			c, err := store.ClaimOrdered(ctx, connBeginner{conn}, groups["ordered"], tok, time.Minute, batch, 0, nil)
+			c, _, err := store.ClaimOrdered(ctx, connBeginner{conn}, groups["ordered"], tok, time.Minute, batch, 0, nil)
 			return len(c), err
 		},
 	}

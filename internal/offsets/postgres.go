@@ -217,13 +217,15 @@ func (s postgres) claim(ctx context.Context, q dbx.Querier, groupID int32, token
 	return scanClaimed(rows, out)
 }
 
-func (s postgres) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, error) {
+func (s postgres) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error) {
 	n := len(out)
+	var locked time.Time
 	err := dbx.InTx(ctx, b, func(tx dbx.Tx) error {
 		out = out[:n]
 		if _, err := tx.Exec(ctx, s.lockGroupSQL, groupID); err != nil {
 			return err
 		}
+		locked = time.Now()
 		rows, err := dbx.QueryWrite(ctx, tx, s.claimOrderedSQL, groupID, token, ms(ttl), limit, pass, MaxParked)
 		if err != nil {
 			return err
@@ -232,9 +234,9 @@ func (s postgres) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int3
 		return err
 	})
 	if err != nil {
-		return out[:n], err
+		return out[:n], locked, err
 	}
-	return out, nil
+	return out, locked, nil
 }
 
 // claimLocked is ClaimLockedPassing (see claimLockedSQL).

@@ -620,29 +620,33 @@ FROM (
 // look found nothing for. SQLite's one writer runs the write transactions of every claim of
 // the group, in every process, one after another: each sees every claim made before it, which
 // PostgreSQL gets by locking the group's row.
-func (s sqlite) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, error) {
+func (s sqlite) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error) {
 	waiting, due, free := int64(1), int64(1), int64(1)
+	locked := time.Now()
 	if q, ok := b.(dbx.Querier); ok {
 		if err := dbx.QueryRow(ctx, q, s.ordPeekSQL, []any{groupID}, &waiting, &due, &free); err != nil {
 			if errors.Is(err, dbx.ErrNoRows) {
-				return out, fmt.Errorf("offsets: consumer group %d has no row", groupID)
+				return out, locked, fmt.Errorf("offsets: consumer group %d has no row", groupID)
 			}
-			return out, err
+			return out, locked, err
 		}
 		if waiting == 0 && due == 0 && free == 0 {
-			return out, nil
+			return out, locked, nil
 		}
 	}
 	start := len(out)
+	// The library's pool begins every transaction with BEGIN IMMEDIATE, so inside it the write
+	// lock is held; the leases are written by statements sent after this time in any case.
 	err := dbx.InTx(ctx, b, func(tx dbx.Tx) error {
+		locked = time.Now()
 		var err error
 		out, err = s.claimOrderedIn(ctx, tx, groupID, token, ttl, limit, pass, due != 0, free != 0, out[:start])
 		return err
 	})
 	if err != nil {
-		return out[:start], err // rolled back: none of them was claimed
+		return out[:start], locked, err // rolled back: none of them was claimed
 	}
-	return out, nil
+	return out, locked, nil
 }
 
 // claimOrderedIn runs the ordered claim in the write transaction tx, keeping one rule: at

@@ -143,7 +143,12 @@ const MaxParked = 1_000
 // is claimed only once every message of its key before it in the group's order is settled;
 // the others wait parked. It runs in a transaction of its own begun on b, which locks the
 // group's row first, so that the group's ordered claims run one after another.
-func (s *Store) ClaimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, error) {
+//
+// It also returns when the transaction had that lock (on SQLite, the database's write lock),
+// taken before the claim's statement was sent: the leases it writes count from later, so a
+// deadline counted from then never outlives them, and the wait for the lock (another
+// consumer's claim, a frozen process holding the write lock) does not shorten it.
+func (s *Store) ClaimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error) {
 	return s.db.claimOrdered(ctx, b, groupID, token, ttl, limit, pass, out)
 }
 
