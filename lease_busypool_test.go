@@ -15,8 +15,8 @@ import (
 )
 
 // A lease holds while the pool it is extended on is busy with other work: twenty goroutines
-// take turns on a pool of three connections (one of them the subscription's LISTEN
-// connection), each holding one for 100 ms, so that a connection comes about a second after
+// take turns on a pool of three connections (the subscription's LISTEN connection is one of
+// its own, outside the pool), each holding one for 100 ms, so that a connection comes about a second after
 // it is asked for, more than LeaseRenewInterval (200 ms) and less than what is left of the
 // lease (2 s). The extension waits in the pool's line instead of giving up at each renew
 // interval and queueing again at its end: the message in the handler keeps its lease for 4 s

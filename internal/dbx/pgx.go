@@ -96,6 +96,15 @@ func (p *PgxPool) Acquire(ctx context.Context) (Conn, error) {
 // pool's BeforeConnect and AfterConnect hooks run on it (a search_path, a role, a password
 // fetched per connection), so its statements see what the pool's statements see.
 func (p *PgxPool) Dedicated(ctx context.Context) (Conn, error) {
+	c, err := p.dial(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &pgxConn{pgxQ: pgxQ{c}, c: c}, nil
+}
+
+// dial opens a connection outside the pool, set up as the pool's are, with TCP keepalives.
+func (p *PgxPool) dial(ctx context.Context) (*pgx.Conn, error) {
 	pcfg := p.Pool.Config()
 	cfg := pcfg.ConnConfig.Copy()
 	cfg.DialFunc = withKeepAlive(cfg.DialFunc)
@@ -116,7 +125,7 @@ func (p *PgxPool) Dedicated(ctx context.Context) (Conn, error) {
 			return nil, err
 		}
 	}
-	return &pgxConn{pgxQ: pgxQ{c}, c: c}, nil
+	return c, nil
 }
 
 func (p *PgxPool) Close() { p.Pool.Close() }
@@ -206,10 +215,11 @@ func (p *PgxPool) ListenKey() any { return p.Pool }
 // Listen runs LISTEN channel on a connection of its own and calls onNotify with the payload
 // of every notification until ctx ends or the connection fails. onOpen runs once the
 // connection is open (its backend exists from then on, until Listen returns); onConnect once
-// the LISTEN is in place.
+// the LISTEN is in place. The connection is dialled as Dedicated's: the pool's connect hooks
+// run on it, and its TCP keepalives find out, while it sits idle waiting for notifications,
+// that its peer is gone.
 func (p *PgxPool) Listen(ctx context.Context, channel string, onOpen, onConnect func(), onNotify func(string)) error {
-	cfg := p.Pool.Config().ConnConfig.Copy()
-	conn, err := pgx.ConnectConfig(ctx, cfg)
+	conn, err := p.dial(ctx)
 	if err != nil {
 		return err
 	}
