@@ -366,28 +366,18 @@ func (t *Tracker) count(kind string) {
 }
 
 // Running is the number of statements running now.
-func (t *Tracker) Running() int {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	n := 0
-	for _, c := range t.calls {
-		c.mu.Lock()
-		if c.phase == phaseRun {
-			n++
-		}
-		c.mu.Unlock()
-	}
-	return n
-}
+func (t *Tracker) Running() int { return t.inPhase(phaseRun) }
 
 // Acquiring is the number of statements waiting for a connection now.
-func (t *Tracker) Acquiring() int {
+func (t *Tracker) Acquiring() int { return t.inPhase(phaseAcquire) }
+
+func (t *Tracker) inPhase(phase int) int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	n := 0
 	for _, c := range t.calls {
 		c.mu.Lock()
-		if c.phase == phaseAcquire {
+		if c.phase == phase {
 			n++
 		}
 		c.mu.Unlock()
