@@ -622,7 +622,7 @@ FROM (
 // PostgreSQL gets by locking the group's row.
 func (s sqlite) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error) {
 	waiting, due, free := int64(1), int64(1), int64(1)
-	locked := time.Now()
+	var locked time.Time // zero while no claim was made
 	if q, ok := b.(dbx.Querier); ok {
 		if err := dbx.QueryRow(ctx, q, s.ordPeekSQL, []any{groupID}, &waiting, &due, &free); err != nil {
 			if errors.Is(err, dbx.ErrNoRows) {
