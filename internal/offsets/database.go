@@ -39,6 +39,11 @@ type database interface {
 	// Settlements: ack, nack, release and extend (d is the backoff or the lease), and the move
 	// of claims to another topic's messages table.
 	settle(ctx context.Context, q dbx.Querier, op settleOp, groupID int32, fs []Fenced, d time.Duration) (map[int64]bool, error)
+	// ackHandingOver is settle's ack for a group ordered by key that also claims, under token
+	// with a lease of ttl, the first parked message of each key it frees, and returns them
+	// (appended to out[:0]). A database that does not hand keys over returns none: its
+	// ordered claims take the freed keys.
+	ackHandingOver(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, token int64, ttl time.Duration, out []Claimed) (map[int64]bool, []Claimed, error)
 	deadLetter(ctx context.Context, q dbx.Querier, groupID int32, group string, fs []Fenced, to Tables, dropKeys [2]string) (map[int64]bool, error)
 
 	// Writing messages. insertSQL writes n rows of 3 parameters (4 when delayed: the fourth

@@ -331,3 +331,101 @@ func TestClaimOrdered_parkedCapStopsNewMessages(t *testing.T) {
 		})
 	}
 }
+
+// An ordered ack hands each key it frees to the acker: the key's first parked message, claimed
+// in the same statement under the token given, and never a delayed one (its claim makes it
+// due at its time), nor after a stale ack. Claims meanwhile see the key busy with it.
+func TestAckHandingOver_nextOfTheKeyToTheAcker(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tables, db := orderedTables(t, ctx, "postgres")
+	store := offsets.NewStore(tables, false)
+	rows := []offsets.Row{}
+	for i, k := range []string{"A", "A", "B", "A", "A"} {
+		r := offsets.Row{UUID: fmt.Sprintf("%s%d", k, i+1), Metadata: fmt.Sprintf(`{%q: %q}`, offsets.MetaOrderKey, k)}
+		if i == 3 {
+			r.DeliverAt = time.Now().Add(time.Hour)
+		}
+		rows = append(rows, r)
+	}
+	if err := store.Insert(ctx, db, rows, ""); err != nil {
+		t.Fatal(err)
+	}
+	gid, err := store.EnsureGroup(ctx, db, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	byUUID := map[string]offsets.Claimed{}
+	claim := func(token int64) string {
+		t.Helper()
+		cs, _, err := store.ClaimOrdered(ctx, db, gid, token, time.Minute, 10, 100, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := ""
+		for _, c := range cs {
+			if c.Delayed.IsZero() {
+				byUUID[c.UUID] = c
+				s += c.UUID + " "
+			} else {
+				s += fmt.Sprintf("delayed@%d ", c.Offset)
+			}
+		}
+		return s
+	}
+	ack := func(uuid string, token, handTo int64) (bool, string) {
+		t.Helper()
+		done, handed, err := store.AckHandingOver(ctx, db, gid, []offsets.Fenced{{Offset: byUUID[uuid].Offset, Token: token}}, handTo, time.Minute, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := ""
+		for _, c := range handed {
+			if c.Attempts != 1 {
+				t.Errorf("%s handed over at attempt %d, want 1", c.UUID, c.Attempts)
+			}
+			byUUID[c.UUID] = c
+			s += c.UUID + " "
+		}
+		return done[byUUID[uuid].Offset], s
+	}
+
+	var first string
+	testdb.Eventually(t, 30*time.Second, "the first claim", func() bool { first = claim(1); return first != "" })
+	if first != "A1 B3 " {
+		t.Fatalf("first claim: %q, want A1 and B3 (A2, A4, A5 parked)", first)
+	}
+	if applied, handed := ack("A1", 99, 10); applied || handed != "" {
+		t.Fatalf("a stale ack of A1: applied %v, handed over %q; want neither", applied, handed)
+	}
+	if applied, handed := ack("A1", 1, 10); !applied || handed != "A2 " {
+		t.Fatalf("ack of A1: applied %v, handed over %q; want A2", applied, handed)
+	}
+	if got := claim(11); got != "" {
+		t.Fatalf("a claim while A2 is handed over and B3 held: %q, want nothing", got)
+	}
+	// The hand-over is a claim of token 10: its lease extends under that token.
+	if ext, err := store.Extend(ctx, db, gid, []offsets.Fenced{{Offset: byUUID["A2"].Offset, Token: 10}}, time.Minute); err != nil || !ext[byUUID["A2"].Offset] {
+		t.Fatalf("extending A2 under the hand-over's token: %v, %v", ext, err)
+	}
+	if applied, handed := ack("B3", 1, 12); !applied || handed != "" {
+		t.Fatalf("ack of B3: applied %v, handed over %q; want nothing (no B waits)", applied, handed)
+	}
+	// A4 is next of A but delayed: not handed over; the claim makes it due at its time, and A5
+	// stays parked behind it.
+	if applied, handed := ack("A2", 10, 13); !applied || handed != "" {
+		t.Fatalf("ack of A2: applied %v, handed over %q; want nothing (A4 is delayed)", applied, handed)
+	}
+	if got := claim(14); got != fmt.Sprintf("delayed@%d ", offsetOf(t, ctx, db, tables, "A4")) {
+		t.Fatalf("claim after A2 acked: %q, want A4 passed as delayed and nothing claimed", got)
+	}
+}
+
+func offsetOf(t *testing.T, ctx context.Context, db orderedDB, tables offsets.Tables, uuid string) int64 {
+	t.Helper()
+	var off int64
+	if err := dbx.QueryRow(ctx, db, `SELECT "offset" FROM `+tables.Messages+` WHERE "uuid" = $1`, []any{uuid}, &off); err != nil {
+		t.Fatal(err)
+	}
+	return off
+}

@@ -33,6 +33,7 @@ type pgTopic struct {
 	claimOrderedSQL     string
 	lockGroupSQL        string
 	ackSQL              string
+	ackHandingOverSQL   string
 	nackSQL             string
 	releaseSQL          string
 	extendSQL           string
@@ -76,6 +77,7 @@ func (postgres) prepare(t Tables, asyncCommit bool) database {
 
 	// Settlements always run under the asynchronous-commit prefix when it is asked for.
 	s.ackSQL = settleSQL(t, with, cond, settleAck, "")
+	s.ackHandingOverSQL = ackHandingOverSQL(t, with, cond)
 	s.nackSQL = settleSQL(t, with, cond, settleNack, "")
 	// Release gives back claims that never reached a handler: visible at once, and the attempt
 	// they were counted as is taken back.
@@ -277,50 +279,72 @@ const settleTries = 3
 // could not change are run again, up to settleTries times, then in a transaction in which
 // the statement's row locks keep them from changing until its second run has applied them.
 func (s postgres) settleSQL(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, args ...any) (map[int64]bool, error) {
+	done, _, err := s.settleHanding(ctx, q, sql, groupID, fs, nil, args...)
+	return done, err
+}
+
+// settleHanding is settleSQL for a statement that may also hand over messages (handed not
+// nil: ackHandingOverSQL's lines): it returns them appended to handed, those of the runs
+// that committed, on an error too.
+func (s postgres) settleHanding(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, handed []Claimed, args ...any) (map[int64]bool, []Claimed, error) {
 	done := make(map[int64]bool, len(fs))
+	hands := handed != nil
 	var err error
 	for range settleTries {
-		if fs, err = s.settleOnce(ctx, q, sql, groupID, fs, done, args); err != nil || len(fs) == 0 {
-			return done, err
+		if fs, handed, err = s.settleOnce(ctx, q, sql, groupID, fs, done, hands, handed, args); err != nil || len(fs) == 0 {
+			return done, handed, err
 		}
 	}
 	b, ok := q.(dbx.Beginner)
 	if !ok {
-		return done, ErrSettleRaced
+		return done, handed, ErrSettleRaced
 	}
 	// What the transaction applies counts only once it commits: on an error, done is what
 	// the statements before it applied.
 	applied := maps.Clone(done)
+	before := len(handed)
 	err = dbx.InTx(ctx, b, func(tx dbx.Tx) error {
 		for range 2 {
 			var err error
-			if fs, err = s.settleOnce(ctx, tx, sql, groupID, fs, done, args); err != nil || len(fs) == 0 {
+			if fs, handed, err = s.settleOnce(ctx, tx, sql, groupID, fs, done, hands, handed, args); err != nil || len(fs) == 0 {
 				return err
 			}
 		}
 		return ErrSettleRaced // the locks of the first run make this impossible
 	})
 	if err != nil {
-		return applied, err
+		return applied, handed[:before], err
 	}
-	return done, nil
+	return done, handed, nil
 }
 
 // settleOnce runs sql once for fs, adds the offsets it applied to done, and returns the claims
-// whose fence held but that were not applied.
-func (s postgres) settleOnce(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, done map[int64]bool, args []any) ([]Fenced, error) {
+// whose fence held but that were not applied. With hands, the statement's lines are
+// ackHandingOverSQL's, and the messages it handed over are appended to handed.
+func (s postgres) settleOnce(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, done map[int64]bool, hands bool, handed []Claimed, args []any) ([]Fenced, []Claimed, error) {
 	offs, toks := split(fs)
 	rows, err := dbx.QueryWrite(ctx, q, sql, append([]any{groupID, offs, toks}, args...)...)
 	if err != nil {
-		return nil, err
+		return nil, handed, err
 	}
 	defer rows.Close()
 	var again map[int64]bool
 	for rows.Next() {
 		var off int64
 		var ok bool
-		if err := rows.Scan(&off, &ok); err != nil {
-			return nil, err
+		if hands {
+			var kind int
+			var c Claimed
+			if err := rows.Scan(&kind, &off, &ok, &c.UUID, &c.Payload, &c.Metadata); err != nil {
+				return nil, handed, err
+			}
+			if kind == 1 {
+				c.Offset, c.Attempts = off, 1
+				handed = append(handed, c)
+				continue
+			}
+		} else if err := rows.Scan(&off, &ok); err != nil {
+			return nil, handed, err
 		}
 		if ok {
 			done[off] = true
@@ -332,7 +356,7 @@ func (s postgres) settleOnce(ctx context.Context, q dbx.Querier, sql string, gro
 		}
 	}
 	if err := rows.Err(); err != nil {
-		return nil, err
+		return nil, handed, err
 	}
 	var next []Fenced
 	for _, f := range fs {
@@ -340,7 +364,7 @@ func (s postgres) settleOnce(ctx context.Context, q dbx.Querier, sql string, gro
 			next = append(next, f)
 		}
 	}
-	return next, nil
+	return next, handed, nil
 }
 
 func (s postgres) settle(ctx context.Context, q dbx.Querier, op settleOp, groupID int32, fs []Fenced, d time.Duration) (map[int64]bool, error) {
@@ -353,6 +377,14 @@ func (s postgres) settle(ctx context.Context, q dbx.Querier, op settleOp, groupI
 		return s.settleSQL(ctx, q, s.extendSQL, groupID, fs, ms(d))
 	}
 	return s.settleSQL(ctx, q, s.ackSQL, groupID, fs)
+}
+
+// ackHandingOver acks and hands the keys it frees to token (see ackHandingOverSQL).
+func (s postgres) ackHandingOver(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, token int64, ttl time.Duration, out []Claimed) (map[int64]bool, []Claimed, error) {
+	if out == nil {
+		out = []Claimed{}
+	}
+	return s.settleHanding(ctx, q, s.ackHandingOverSQL, groupID, fs, out[:0], token, ms(ttl))
 }
 
 // deadLetter moves claims of the group to the messages table of another topic, in one

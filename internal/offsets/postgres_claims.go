@@ -32,7 +32,7 @@ const unheldTokenSQL = `(-1 - floor(random() * 4611686018427387903))::bigint`
 // tokens of one group are distinct. Reaching the random range would take 2^62 messages parked
 // while the group always had one parked.
 const parkedTokenSQL = `(SELECT coalesce(max(cl."token"), -9223372036854775808) FROM cl
-		WHERE cl."order_key" IS NOT NULL AND cl."token" <= -4611686018427387904)
+		WHERE cl."order_key" IS NOT NULL AND cl."token" <= ` + parkedTokenMax + `)
 	+ row_number() OVER (ORDER BY m."xid", m."offset")`
 
 // mergeOffsetsSQL is the ON CONFLICT step of the inserts of held rows: a claim and a takeover
@@ -341,9 +341,64 @@ func settleSQL(t Tables, with, cond string, op settleOp, to string) string {
 	ORDER BY m."offset"
 )`, to, t.Messages)
 	}
-	b = append(b, `
-SELECT x.o, EXISTS (SELECT 1 FROM done WHERE done.o = x.o) FROM hit, unnest(hit.gone) x(o)`...)
+	b = append(b, "\n"+settledLinesSQL...)
 	return string(b)
+}
+
+// settledLinesSQL is the result of settleSQL's statements: one line (offset, applied) per
+// pair whose token and offset matched a row.
+const settledLinesSQL = `SELECT x.o, EXISTS (SELECT 1 FROM done WHERE done.o = x.o) FROM hit, unnest(hit.gone) x(o)`
+
+// parkedTokenMax is the highest token of a parked row (parkedTokenSQL): parked rows are the
+// range of the claims table's key (group_id, token <= parkedTokenMax) of their group.
+const parkedTokenMax = `-4611686018427387904`
+
+// ackHandingOverSQL is the ack of a group ordered by key that hands each key it frees to the
+// acker: settleSQL's ack (group $1, offsets $2, tokens $3), then, for each key of the
+// messages it settled, the key's first parked message, claimed under token $4 with a lease
+// of $5 ms, in the same statement. The key is free once its message is settled: at most one
+// message of a key is unsettled and not parked (orderedClaimSQL), and this statement settled
+// it. Claims and this statement agree on that without the group's lock: a claim's snapshot
+// sees either the settled message and its successor held under $4 (the key busy again), or
+// neither (the key busy with the message being settled); a parked row is moved only by a
+// statement that saw its key free.
+//   - ak: the keys of the messages settled;
+//   - nx: each key's parked row of lowest token (its first in the group's order), read from
+//     the parked range of the key; a delayed message whose time has not come is left to the
+//     claims, which make it due at its time;
+//   - nd: those rows deleted: only the ones deleted here are handed over;
+//   - their offsets written in one held row of token $4, attempt 1.
+//
+// Its lines: (0, offset, applied, ”, ”, ”) as settledLinesSQL's, then (1, offset, true,
+// uuid, payload, metadata) for each message handed over.
+func ackHandingOverSQL(t Tables, with, cond string) string {
+	b := settleSQL(t, with, cond, settleAck, "")
+	b = b[:len(b)-len(settledLinesSQL)-1] // formatted already: never a format (a name may hold a %)
+	return b + fmt.Sprintf(`, ak AS (
+	SELECT DISTINCT `+orderKeySQL+` AS k
+	FROM done, `+byOffsetSQL("m", "done.o")+`
+	WHERE m."metadata" ? '`+MetaOrderKey+`'
+), nx AS (
+	SELECT DISTINCT ON (p."order_key") p."token", p.o FROM (
+		SELECT c."order_key", c."token", c."offsets"[1] AS o FROM %[1]s c
+		WHERE c."group_id" = $1 AND c."token" <= `+parkedTokenMax+`
+		  AND c."order_key" = ANY (ARRAY(SELECT k FROM ak))
+	) p
+	ORDER BY p."order_key", p."token"
+), nd AS (
+	DELETE FROM %[1]s c
+	WHERE c."group_id" = $1 AND c."attempts" = 0 AND c."token" = ANY (ARRAY(
+		SELECT nx."token" FROM nx, `+byOffsetSQL("m", "nx.o")+` WHERE (m."deliver_at" > now()) IS NOT TRUE))
+	RETURNING c."offsets"[1] AS o
+), nins AS (
+	INSERT INTO %[1]s AS c ("group_id", "token", "attempts", "visible_at", "offsets")
+	SELECT $1, $4::bigint, 1, clock_timestamp() + $5::float8 * interval '1 millisecond', array_agg(nd.o ORDER BY nd.o)
+	FROM nd HAVING count(*) > 0
+	`+mergeOffsetsSQL+`
+)
+SELECT 0, x.o, EXISTS (SELECT 1 FROM done WHERE done.o = x.o), '', ''::bytea, '' FROM hit, unnest(hit.gone) x(o)
+UNION ALL
+SELECT 1, m."offset", true, m."uuid", m."payload", m."metadata"::text FROM nd, `+byOffsetSQL("m", "nd.o")+``, t.Claims, t.Messages)
 }
 
 // settleNames name the settlements in their statements' text.

@@ -466,6 +466,14 @@ func (s sqlite) settle(ctx context.Context, q dbx.Querier, op settleOp, groupID 
 	return s.settlePrefix(ctx, q, s.ackPrefix, groupID, fs)
 }
 
+// ackHandingOver is the plain ack: SQLite's ordered claims take the keys it frees. Its claims
+// run in the process, under the file's single writer, so the claim an ack wakes costs no
+// round trip to a server.
+func (s sqlite) ackHandingOver(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, _ int64, _ time.Duration, out []Claimed) (map[int64]bool, []Claimed, error) {
+	done, err := s.settle(ctx, q, settleAck, groupID, fs, 0)
+	return done, out[:0], err
+}
+
 // settlePrefix runs the settlement prefix (with its SET arguments set) for fs and returns the
 // offsets it applied.
 func (s sqlite) settlePrefix(ctx context.Context, q dbx.Querier, prefix string, groupID int32, fs []Fenced, set ...any) (map[int64]bool, error) {

@@ -174,6 +174,16 @@ func (s *Store) Ack(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenc
 	return s.db.settle(ctx, q, settleAck, groupID, fs, 0)
 }
 
+// AckHandingOver is Ack for a group ordered by key (see ClaimOrdered) that also claims, in
+// the same statement, under token and with a lease of ttl, the message each settled key lets
+// go next: the key's first parked message, unless it is delayed. It returns them appended to
+// out[:0], claimed at attempt 1, in no particular order (they are of distinct keys). A key
+// freed without a message handed over (SQLite's acks hand none over, a delayed message) is
+// taken by the group's next ordered claim.
+func (s *Store) AckHandingOver(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, token int64, ttl time.Duration, out []Claimed) (map[int64]bool, []Claimed, error) {
+	return s.db.ackHandingOver(ctx, q, groupID, fs, token, ttl, out)
+}
+
 // Nack makes the claims visible again after backoff; the attempt count stays.
 func (s *Store) Nack(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, backoff time.Duration) (map[int64]bool, error) {
 	return s.db.settle(ctx, q, settleNack, groupID, fs, backoff)
