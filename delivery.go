@@ -163,6 +163,23 @@ func (w *workSet) add(ds []*delivery) {
 	}
 }
 
+// adopt puts ds in the set, each with the held token of one of donors (deliveries settled,
+// whose tokens pass on instead of going back), and returns how many it put: those of ds
+// first, one per donor that still held a token.
+func (w *workSet) adopt(ds, donors []*delivery) int {
+	n := 0
+	for _, from := range donors {
+		if n == len(ds) {
+			break
+		}
+		if w.drop(from, holdsToken) {
+			n++
+		}
+	}
+	w.add(ds[:n])
+	return n
+}
+
 // takeSlot waits for a handler slot for d, or for ctx to end; with the slot, d is handed out.
 func (w *workSet) takeSlot(ctx context.Context, d *delivery) bool {
 	select {

@@ -1,6 +1,7 @@
 package sqlbroker
 
 import (
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -14,20 +15,77 @@ type handout struct {
 	sub   *subscription
 	out   chan *message.Message
 	ended chan struct{} // the claim loop ended, what was not handed out is given back, out is closed
+
+	// handed holds the claims that acks of a group ordered by key were handed over (offer),
+	// sent before those of the claim loop: each is the next message of a key, held already.
+	// Each holds a token, so it never fills. Once the loop has ended, closed refuses more.
+	handed chan *delivery
+	mu     sync.Mutex
+	closed bool
 }
 
 func newHandout(sub *subscription) *handout {
-	return &handout{sub: sub, out: make(chan *message.Message), ended: make(chan struct{})}
+	return &handout{sub: sub, out: make(chan *message.Message), ended: make(chan struct{}),
+		handed: make(chan *delivery, cap(sub.work.held))}
+}
+
+// offer queues claims handed over by an ack; false (nothing queued) once the loop has ended,
+// when the caller gives them back.
+func (h *handout) offer(ds []*delivery) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.closed {
+		return false
+	}
+	for _, d := range ds {
+		h.handed <- d
+	}
+	return true
+}
+
+// next returns the next claim to hand out: a handed-over one first, else the claim loop's;
+// false once the claim loop has closed its queue.
+func (h *handout) next() (*delivery, bool) {
+	select {
+	case d := <-h.handed:
+		return d, true
+	default:
+	}
+	select {
+	case d := <-h.handed:
+		return d, true
+	case d, ok := <-h.sub.claimer.ready:
+		return d, ok
+	}
+}
+
+// closeHanded refuses further offers and gives back the handed-over claims still queued.
+func (h *handout) closeHanded() {
+	h.mu.Lock()
+	h.closed = true
+	var ds []*delivery
+	for len(h.handed) > 0 {
+		ds = append(ds, <-h.handed)
+	}
+	h.mu.Unlock()
+	if len(ds) > 0 {
+		h.giveBack(ds)
+	}
 }
 
 func (h *handout) run() {
 	sub := h.sub
 	defer close(h.ended)
 	defer close(h.out)
+	defer h.closeHanded()
 	expire := time.NewTimer(time.Hour)
 	expire.Stop()
 	defer expire.Stop()
-	for d := range sub.claimer.ready {
+	for {
+		d, ok := h.next()
+		if !ok {
+			return
+		}
 		if sub.ctx.Err() != nil {
 			h.giveBackQueued(d)
 			return

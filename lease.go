@@ -67,7 +67,7 @@ func (l *leaseMode) leasesLeft() int {
 // (S3, S11).
 func (l *leaseMode) claim(buf []offsets.Claimed, n int, due offsets.Due) ([]offsets.Claimed, int64, time.Time, error) {
 	sub := l.sub
-	token := rand.Int64N(1<<62) + 1
+	token := newToken()
 	if sub.ctx.Err() != nil {
 		return nil, 0, time.Time{}, sub.ctx.Err()
 	}
@@ -111,6 +111,10 @@ func (l *leaseMode) claim(buf []offsets.Claimed, n int, due offsets.Due) ([]offs
 	}
 	return claimed, token, sent, err
 }
+
+// newToken makes the token of a claim: positive (the rows no one holds have negative ones)
+// and random, so that the claims of every consumer of a group have distinct tokens.
+func newToken() int64 { return rand.Int64N(1<<62) + 1 }
 
 // confirm extends at once the claims of a claim statement that took half a lease or more to
 // return: it waited on a lock (a migration's LOCK TABLE), on a slow server, or the process was
@@ -252,12 +256,14 @@ func (l *leaseMode) await(d *delivery) {
 	sub.work.settling(d)
 	sub.settler.enqueue(d, op)
 	// The handler is done: its slot goes back now. An ack's held token goes back too, not when
-	// the settle statement has run, so the next claim does not wait for that round trip. A
+	// the settle statement has run, so that the next claim does not wait for that round trip. A
 	// nack keeps its token until it is applied, so that the message it makes due again is
 	// claimed before newer ones (with MaxInFlight 1, order holds across nacks). Acks waiting
 	// for their statement are bounded by the queue's capacity plus one statement's batch.
+	// In a group ordered by key an ack keeps its token until it is applied too: the statement
+	// may hand it the next message of its key (settler.handOver).
 	sub.work.freeSlot(d)
-	if op == "ack" {
+	if op == "ack" && !sub.cfg.OrderByKey {
 		sub.work.freeToken(d)
 	}
 }

@@ -236,10 +236,21 @@ func (st *settler) apply(op string, sts []settlement) []settlement {
 	if len(fs) == 0 {
 		return nil
 	}
-	done, err := st.statement(op, fs, st.nackWaits(these))
+	var done map[int64]bool
+	var err error
+	var handed []*delivery
+	if op == "ack" && sub.cfg.OrderByKey && sub.ctx.Err() == nil {
+		done, handed, err = st.ackHandingOver(fs)
+	} else {
+		done, err = st.statement(op, fs, st.nackWaits(these))
+	}
 	if err != nil {
+		if len(handed) > 0 {
+			st.sub.handout.giveBack(handed)
+		}
 		return mode.failed(op, these, done, err)
 	}
+	handedKeys := st.handOver(these, done, handed)
 	lostBefore := make([]bool, len(these)) // read before the unlock, which may lose the connection
 	for i, x := range these {
 		lostBefore[i] = x.d.isLost()
@@ -247,7 +258,7 @@ func (st *settler) apply(op string, sts []settlement) []settlement {
 	mode.unlock(these)
 	// Counted once the locks are dropped: Stats never shows a settlement whose lock is held.
 	for i, x := range these {
-		st.count(x, done[x.d.offset], lostBefore[i])
+		st.count(x, done[x.d.offset], lostBefore[i], handedKeys)
 		sub.forget(x.d)
 		mode.settled(1)
 	}
@@ -256,9 +267,10 @@ func (st *settler) apply(op string, sts []settlement) []settlement {
 
 // count counts a settlement whose statement ran: applied, acked by the caller's committed
 // transaction, or refused as stale (its row no longer carries the delivery's token).
-func (st *settler) count(x settlement, applied, lostBefore bool) {
-	if st.sub.cfg.OrderByKey && (applied && x.op == "ack" || x.d.wasAckedInTx()) {
-		// The next message of its key, parked, may go now: the next claim looks.
+func (st *settler) count(x settlement, applied, lostBefore bool, handedKeys map[string]bool) {
+	if k := x.d.msg.Metadata.Get(MetadataOrderKey); k != "" && !handedKeys[k] && st.sub.cfg.OrderByKey && (applied && x.op == "ack" || x.d.wasAckedInTx()) {
+		// The next message of its key, parked, may go now and was not handed over: the next
+		// claim looks.
 		st.sub.claimer.markDue(time.Now())
 	}
 	switch {
@@ -315,6 +327,70 @@ func (st *settler) statement(op string, fs []offsets.Fenced, waits []time.Durati
 		return err
 	})
 	return done, err
+}
+
+// ackHandingOver applies acks of a group ordered by key in one statement that also claims,
+// under a token of its own, the next message of each key it settles (offsets.Store's
+// AckHandingOver), and returns those as deliveries not yet in the work set. Their local
+// deadline counts from when the statement had its connection, before the database wrote
+// their lease. On an error, what it handed over before the error is returned too.
+func (st *settler) ackHandingOver(fs []offsets.Fenced) (map[int64]bool, []*delivery, error) {
+	sub := st.sub
+	token := newToken()
+	var done map[int64]bool
+	var claimed []offsets.Claimed
+	var sent time.Time
+	err := sub.s.tracker.Run(context.WithoutCancel(sub.ctx), stmtAck, dbx.CleanupTimeout, func(ctx context.Context, q dbx.Querier) error {
+		sent = time.Now()
+		var err error
+		done, claimed, err = sub.store.AckHandingOver(ctx, q, sub.groupID, fs, token, sub.cfg.LeaseTTL, nil)
+		return err
+	})
+	if len(claimed) == 0 {
+		return done, nil, err
+	}
+	sub.s.stats.claimed.Add(int64(len(claimed)))
+	deadline := sent.Add(sub.cfg.LeaseTTL)
+	ds := make([]*delivery, len(claimed))
+	for i, c := range claimed {
+		ds[i] = sub.newDelivery(c, token, deadline)
+	}
+	return done, ds, err
+}
+
+// handOver puts the deliveries that acks of these were handed over (ackHandingOver) in the
+// work set, each with the held token of an applied ack (which kept it for this: leaseMode's
+// await), and queues them for the hand-out loop; those it cannot are given back. It returns
+// the order keys of those queued: their acks need no claim to free their key.
+func (st *settler) handOver(these []settlement, done map[int64]bool, handed []*delivery) map[string]bool {
+	if len(handed) == 0 {
+		return nil
+	}
+	sub := st.sub
+	var donors []*delivery
+	for _, x := range these {
+		if done[x.d.offset] {
+			donors = append(donors, x.d)
+		}
+	}
+	n := sub.work.adopt(handed, donors)
+	if n < len(handed) {
+		sub.handout.giveBack(handed[n:]) // not expected: each key handed over had an ack of its own
+	}
+	handed = handed[:n]
+	if len(handed) == 0 {
+		return nil
+	}
+	if !sub.handout.offer(handed) {
+		sub.handout.giveBack(handed)
+		return nil
+	}
+	sub.s.stats.handedOver.Add(int64(len(handed)))
+	keys := make(map[string]bool, len(handed))
+	for _, d := range handed {
+		keys[d.msg.Metadata.Get(MetadataOrderKey)] = true
+	}
+	return keys
 }
 
 // nackStatements applies nacks of the fenced claims fs, each to come due after its wait in

@@ -72,7 +72,7 @@ var (
 
 // subscriberStats are the counters behind Stats.
 type subscriberStats struct {
-	claimed, acked, nacked, released, stale, leasesLost, errors, deadLettered atomic.Int64
+	claimed, acked, nacked, released, stale, leasesLost, errors, deadLettered, handedOver atomic.Int64
 }
 
 // Stats are counters of a Subscriber since it was built.
@@ -85,6 +85,7 @@ type Stats struct {
 	LeasesLost       int64 // deliveries whose claim was lost while in work (its lease ran out, or, in advisory mode, its lock connection died)
 	Errors           int64 // database errors met by claim, extension and settlement (not a claim's lock wait that ran out of LockWaitTimeout, logged at Info)
 	DeadLettered     int64 // messages moved to the dead-letter topic (MaxAttempts), counted in Nacked too
+	HandedOver       int64 // OrderByKey on PostgreSQL: messages claimed by the ack of the one before them of their key, counted in Claimed too
 	InFlight         int   // messages claimed and not yet settled, now
 	LocksHeld        int   // advisory locks held by the lock connections, now (advisory mode)
 }
@@ -137,6 +138,7 @@ func (s *Subscriber) Stats() Stats {
 		LeasesLost:       s.stats.leasesLost.Load(),
 		Errors:           s.stats.errors.Load(),
 		DeadLettered:     s.stats.deadLettered.Load(),
+		HandedOver:       s.stats.handedOver.Load(),
 	}
 	s.mu.Lock()
 	for sub := range s.subs {
