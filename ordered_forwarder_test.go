@@ -34,7 +34,10 @@ func TestOrderByKey_forwarderKeepsOrderEndToEnd(t *testing.T) {
 	defer sqlPub.Close()
 	pub := forwarder.NewPublisher(sqlPub, forwarder.PublisherConfig{ForwarderTopic: outbox})
 
-	other := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 10000}, logger)
+	// Publish returns once the message is acked here: without it, the GoChannel hands each
+	// message to its subscribers from a goroutine of its own, and two messages published one
+	// after the other may arrive the other way round.
+	other := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 10000, BlockPublishUntilSubscriberAck: true}, logger)
 	defer other.Close()
 	dest, err := other.Subscribe(ctx, "dest")
 	require.NoError(t, err)
