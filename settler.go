@@ -245,9 +245,7 @@ func (st *settler) apply(op string, sts []settlement) []settlement {
 		done, err = st.statement(op, fs, st.nackWaits(these))
 	}
 	if err != nil {
-		if len(handed) > 0 {
-			st.sub.handout.giveBack(handed)
-		}
+		st.giveBackHanded(handed)
 		return mode.failed(op, these, done, err)
 	}
 	handedKeys := st.handOver(these, done, handed)
@@ -268,10 +266,12 @@ func (st *settler) apply(op string, sts []settlement) []settlement {
 // count counts a settlement whose statement ran: applied, acked by the caller's committed
 // transaction, or refused as stale (its row no longer carries the delivery's token).
 func (st *settler) count(x settlement, applied, lostBefore bool, handedKeys map[string]bool) {
-	if k := x.d.msg.Metadata.Get(MetadataOrderKey); k != "" && !handedKeys[k] && st.sub.cfg.OrderByKey && (applied && x.op == "ack" || x.d.wasAckedInTx()) {
-		// The next message of its key, parked, may go now and was not handed over: the next
-		// claim looks.
-		st.sub.claimer.markDue(time.Now())
+	if st.sub.cfg.OrderByKey && (applied && x.op == "ack" || x.d.wasAckedInTx()) {
+		if x.d.key != "" && !handedKeys[x.d.key] {
+			// The next message of its key, parked, may go now and was not handed over: the
+			// next claim looks.
+			st.sub.claimer.markDue(time.Now())
+		}
 	}
 	switch {
 	case applied:
@@ -374,23 +374,34 @@ func (st *settler) handOver(these []settlement, done map[int64]bool, handed []*d
 		}
 	}
 	n := sub.work.adopt(handed, donors)
-	if n < len(handed) {
-		sub.handout.giveBack(handed[n:]) // not expected: each key handed over had an ack of its own
-	}
+	st.giveBackHanded(handed[n:]) // none: each key handed over had an applied ack of its own
 	handed = handed[:n]
 	if len(handed) == 0 {
 		return nil
 	}
 	if !sub.handout.offer(handed) {
-		sub.handout.giveBack(handed)
+		sub.handout.giveBack(handed) // the subscription stops
 		return nil
 	}
 	sub.s.stats.handedOver.Add(int64(len(handed)))
 	keys := make(map[string]bool, len(handed))
 	for _, d := range handed {
-		keys[d.msg.Metadata.Get(MetadataOrderKey)] = true
+		keys[d.key] = true
 	}
 	return keys
+}
+
+// giveBackHanded gives back messages handed over (ackHandingOver) that are not in the work
+// set and that no handler will get: the statement failed after handing them over. They are
+// released at once, each first of its key, for the group's next claim.
+func (st *settler) giveBackHanded(ds []*delivery) {
+	if len(ds) == 0 {
+		return
+	}
+	sub := st.sub
+	sub.work.removeAll(ds, context.Canceled) // ends their contexts
+	sub.releaseRows(fenced(ds), "Releasing messages handed over by a failed ack failed; they return when their lease runs out")
+	sub.claimer.markDue(time.Now())
 }
 
 // nackStatements applies nacks of the fenced claims fs, each to come due after its wait in
