@@ -279,72 +279,76 @@ const settleTries = 3
 // could not change are run again, up to settleTries times, then in a transaction in which
 // the statement's row locks keep them from changing until its second run has applied them.
 func (s postgres) settleSQL(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, args ...any) (map[int64]bool, error) {
-	done, _, err := s.settleHanding(ctx, q, sql, groupID, fs, nil, args...)
-	return done, err
+	return s.settleHanding(ctx, q, sql, groupID, fs, nil, args...)
 }
 
-// settleHanding is settleSQL for a statement that may also hand over messages (handed not
-// nil: ackHandingOverSQL's lines): it returns them appended to handed, those of the runs
-// that committed, on an error too.
-func (s postgres) settleHanding(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, handed []Claimed, args ...any) (map[int64]bool, []Claimed, error) {
+// settleHanding is settleSQL for a statement that may also hand over messages: with handed
+// not nil, sql is ackHandingOverSQL, and the messages handed over by the runs that committed
+// are appended to *handed, on an error too.
+func (s postgres) settleHanding(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, handed *[]Claimed, args ...any) (map[int64]bool, error) {
 	done := make(map[int64]bool, len(fs))
-	hands := handed != nil
 	var err error
 	for range settleTries {
-		if fs, handed, err = s.settleOnce(ctx, q, sql, groupID, fs, done, hands, handed, args); err != nil || len(fs) == 0 {
-			return done, handed, err
+		if fs, err = s.settleOnce(ctx, q, sql, groupID, fs, done, handed, args); err != nil || len(fs) == 0 {
+			return done, err
 		}
 	}
 	b, ok := q.(dbx.Beginner)
 	if !ok {
-		return done, handed, ErrSettleRaced
+		return done, ErrSettleRaced
 	}
 	// What the transaction applies counts only once it commits: on an error, done is what
-	// the statements before it applied.
+	// the statements before it applied, and handed what they handed over.
 	applied := maps.Clone(done)
-	before := len(handed)
+	var before int
+	if handed != nil {
+		before = len(*handed)
+	}
 	err = dbx.InTx(ctx, b, func(tx dbx.Tx) error {
 		for range 2 {
 			var err error
-			if fs, handed, err = s.settleOnce(ctx, tx, sql, groupID, fs, done, hands, handed, args); err != nil || len(fs) == 0 {
+			if fs, err = s.settleOnce(ctx, tx, sql, groupID, fs, done, handed, args); err != nil || len(fs) == 0 {
 				return err
 			}
 		}
 		return ErrSettleRaced // the locks of the first run make this impossible
 	})
 	if err != nil {
-		return applied, handed[:before], err
+		if handed != nil {
+			*handed = (*handed)[:before]
+		}
+		return applied, err
 	}
-	return done, handed, nil
+	return done, nil
 }
 
 // settleOnce runs sql once for fs, adds the offsets it applied to done, and returns the claims
-// whose fence held but that were not applied. With hands, the statement's lines are
-// ackHandingOverSQL's, and the messages it handed over are appended to handed.
-func (s postgres) settleOnce(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, done map[int64]bool, hands bool, handed []Claimed, args []any) ([]Fenced, []Claimed, error) {
+// whose fence held but that were not applied. With handed not nil, the statement's lines are
+// ackHandingOverSQL's, and the messages it handed over are appended to *handed.
+func (s postgres) settleOnce(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, done map[int64]bool, handed *[]Claimed, args []any) ([]Fenced, error) {
 	offs, toks := split(fs)
 	rows, err := dbx.QueryWrite(ctx, q, sql, append([]any{groupID, offs, toks}, args...)...)
 	if err != nil {
-		return nil, handed, err
+		return nil, err
 	}
 	defer rows.Close()
 	var again map[int64]bool
 	for rows.Next() {
 		var off int64
 		var ok bool
-		if hands {
+		if handed != nil {
 			var kind int
 			var c Claimed
 			if err := rows.Scan(&kind, &off, &ok, &c.UUID, &c.Payload, &c.Metadata); err != nil {
-				return nil, handed, err
+				return nil, err
 			}
 			if kind == 1 {
 				c.Offset, c.Attempts = off, 1
-				handed = append(handed, c)
+				*handed = append(*handed, c)
 				continue
 			}
 		} else if err := rows.Scan(&off, &ok); err != nil {
-			return nil, handed, err
+			return nil, err
 		}
 		if ok {
 			done[off] = true
@@ -356,7 +360,7 @@ func (s postgres) settleOnce(ctx context.Context, q dbx.Querier, sql string, gro
 		}
 	}
 	if err := rows.Err(); err != nil {
-		return nil, handed, err
+		return nil, err
 	}
 	var next []Fenced
 	for _, f := range fs {
@@ -364,7 +368,7 @@ func (s postgres) settleOnce(ctx context.Context, q dbx.Querier, sql string, gro
 			next = append(next, f)
 		}
 	}
-	return next, handed, nil
+	return next, nil
 }
 
 func (s postgres) settle(ctx context.Context, q dbx.Querier, op settleOp, groupID int32, fs []Fenced, d time.Duration) (map[int64]bool, error) {
@@ -381,10 +385,9 @@ func (s postgres) settle(ctx context.Context, q dbx.Querier, op settleOp, groupI
 
 // ackHandingOver acks and hands the keys it frees to token (see ackHandingOverSQL).
 func (s postgres) ackHandingOver(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced, token int64, ttl time.Duration, out []Claimed) (map[int64]bool, []Claimed, error) {
-	if out == nil {
-		out = []Claimed{}
-	}
-	return s.settleHanding(ctx, q, s.ackHandingOverSQL, groupID, fs, out[:0], token, ms(ttl))
+	handed := out[:0]
+	done, err := s.settleHanding(ctx, q, s.ackHandingOverSQL, groupID, fs, &handed, token, ms(ttl))
+	return done, handed, err
 }
 
 // deadLetter moves claims of the group to the messages table of another topic, in one

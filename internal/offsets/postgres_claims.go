@@ -277,6 +277,11 @@ func claimSQL(t Tables, with, cond string, due Due, locked bool) string {
 //
 // It returns one line (offset, applied) per pair whose token and offset matched a row.
 func settleSQL(t Tables, with, cond string, op settleOp, to string) string {
+	return settleStepsSQL(t, with, cond, op, to) + "\n" + settledLinesSQL
+}
+
+// settleStepsSQL is settleSQL's statement up to its result: its steps, ending with done.
+func settleStepsSQL(t Tables, with, cond string, op settleOp, to string) string {
 	var b []byte
 	// The statement starts by naming its work, which pg_stat_activity shows within the first
 	// kilobyte of its text (track_activity_query_size), where the rest would be cut.
@@ -341,7 +346,6 @@ func settleSQL(t Tables, with, cond string, op settleOp, to string) string {
 	ORDER BY m."offset"
 )`, to, t.Messages)
 	}
-	b = append(b, "\n"+settledLinesSQL...)
 	return string(b)
 }
 
@@ -369,12 +373,11 @@ const parkedTokenMax = `-4611686018427387904`
 //   - nd: those rows deleted: only the ones deleted here are handed over;
 //   - their offsets written in one held row of token $4, attempt 1.
 //
-// Its lines: (0, offset, applied, ”, ”, ”) as settledLinesSQL's, then (1, offset, true,
-// uuid, payload, metadata) for each message handed over.
+// Its lines: kind 0 for settledLinesSQL's (offset, applied), with an empty uuid, payload and
+// metadata; then kind 1 (offset, true, uuid, payload, metadata) for each message handed over.
 func ackHandingOverSQL(t Tables, with, cond string) string {
-	b := settleSQL(t, with, cond, settleAck, "")
-	b = b[:len(b)-len(settledLinesSQL)-1] // formatted already: never a format (a name may hold a %)
-	return b + fmt.Sprintf(`, ak AS (
+	// The steps are formatted already: never a format (a name may hold a %).
+	return settleStepsSQL(t, with, cond, settleAck, "") + fmt.Sprintf(`, ak AS (
 	SELECT DISTINCT `+orderKeySQL+` AS k
 	FROM done, `+byOffsetSQL("m", "done.o")+`
 	WHERE m."metadata" ? '`+MetaOrderKey+`'
