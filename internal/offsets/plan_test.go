@@ -851,3 +851,63 @@ func TestRecentLookTakesRecentLeasesOnly(t *testing.T) {
 		t.Errorf("the look at every claim took %v, want the lease that ran out before the window", got)
 	}
 }
+
+// TestAckHandingOverReadsTheFirstParkedOfEachKey checks that an ordered ack finds the next
+// message of each key it settles through the parked rows' index, one entry per key, and not
+// by reading the group's parked rows: with 8 keys and about 100 parked messages each, no node
+// of the statement's plan reading the claims table produces more than a few rows per key,
+// over enough rounds that the server's generic plan is checked too.
+func TestAckHandingOverReadsTheFirstParkedOfEachKey(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	tables, _, db := createTables(t, ctx)
+	store := offsets.NewStore(tables, false)
+	const keys, each, rounds = 8, 100, 21
+	rows := make([]offsets.Row, keys*each)
+	for i := range rows {
+		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: []byte("x"), Metadata: fmt.Sprintf(`{%q: "k%d"}`, offsets.MetaOrderKey, i%keys)}
+	}
+	if err := store.Insert(ctx, db, rows, ""); err != nil {
+		t.Fatal(err)
+	}
+	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	gid, err := store.EnsureGroup(ctx, db, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var held []offsets.Fenced
+	for token := int64(1); token < 20 && len(held) < keys; token++ {
+		cs, _, err := store.ClaimOrdered(ctx, db, gid, token, time.Hour, keys, len(rows), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, offsets.Fence(cs, token)...)
+	}
+	if len(held) != keys {
+		t.Fatalf("the ordered claims took %d messages, want the first of each of %d keys", len(held), keys)
+	}
+	// With every key busy, a claim parks the rest.
+	if cs, _, err := store.ClaimOrdered(ctx, db, gid, 99, time.Hour, keys, len(rows), nil); err != nil || len(cs) != 0 {
+		t.Fatalf("a claim with every key busy took %d messages, %v", len(cs), err)
+	}
+	conn, plans := explainedConn(t, ctx)
+	q := dbx.PgxConn(conn)
+	for round := range rounds {
+		token := int64(1000 + round)
+		plans()
+		done, handed, err := store.AckHandingOver(ctx, q, gid, held, token, time.Hour, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(done) != keys || len(handed) != keys {
+			t.Fatalf("round %d: %d acks applied and %d handed over, want %d and %d", round, len(done), len(handed), keys, keys)
+		}
+		for _, p := range parsePlans(t, fmt.Sprintf("ack handing over, round %d", round), plans()) {
+			if node, most := widestOn(p.root, tables.Claims); most > 4*keys {
+				t.Errorf("round %d: %s on %s%s produced %.0f rows for %d keys with %d parked messages:\n%s",
+					round, node.NodeType, node.Relation, node.Index, most, keys, keys*(each-1-round), p.text)
+			}
+		}
+		held = offsets.Fence(handed, token)
+	}
+}

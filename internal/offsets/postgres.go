@@ -528,6 +528,7 @@ END `, quoteLiteral(ident.Qualified(t.Schema, old)), t.Claims, ident.Qualified(t
 	tag = dollarTag(body)
 	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
 	fmt.Fprintf(&b, claimsLeaseIndexSQL+";\n", t.obj("_c_lease"), t.Claims)
+	fmt.Fprintf(&b, claimsParkedIndexSQL+";\n", t.obj("_c_park"), t.Claims)
 	// The partitions of the next offsets.
 	fmt.Fprintf(&b, "SELECT %s(0, %d);\n", t.extendFn(), PartitionSize)
 	// The version is written last: a table that carries it has every part of it.

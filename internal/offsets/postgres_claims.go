@@ -357,6 +357,12 @@ const settledLinesSQL = `SELECT x.o, EXISTS (SELECT 1 FROM done WHERE done.o = x
 // range of the claims table's key (group_id, token <= parkedTokenMax) of their group.
 const parkedTokenMax = `-4611686018427387904`
 
+// claimsParkedIndexSQL is the index of the parked rows by key, read by ackHandingOverSQL: a
+// key's first parked message is its first entry, one lookup per key, where the range of the
+// primary key holds every parked row of the group (and, while vacuum is held back, the dead
+// versions of those parked since). Its placeholders are its name and the claims table.
+const claimsParkedIndexSQL = `CREATE INDEX IF NOT EXISTS %s ON %s ("group_id", "order_key", "token") WHERE "token" <= ` + parkedTokenMax
+
 // ackHandingOverSQL is the ack of a group ordered by key that hands each key it frees to the
 // acker: settleSQL's ack (group $1, offsets $2, tokens $3), then, for each key of the
 // messages it settled, the key's first parked message, claimed under token $4 with a lease
@@ -367,9 +373,9 @@ const parkedTokenMax = `-4611686018427387904`
 // neither (the key busy with the message being settled); a parked row is moved only by a
 // statement that saw its key free.
 //   - ak: the keys of the messages settled;
-//   - nx: each key's parked row of lowest token (its first in the group's order), read from
-//     the parked range of the key; a delayed message whose time has not come is left to the
-//     claims, which make it due at its time;
+//   - nx: each key's parked row of lowest token (its first in the group's order), the first
+//     entry of the key in the parked rows' index (claimsParkedIndexSQL); a delayed message
+//     whose time has not come is left to the claims, which make it due at its time;
 //   - nd: those rows deleted: only the ones deleted here are handed over;
 //   - their offsets written in one held row of token $4, attempt 1.
 //
@@ -382,12 +388,11 @@ func ackHandingOverSQL(t Tables, with, cond string) string {
 	FROM done, `+byOffsetSQL("m", "done.o")+`
 	WHERE m."metadata" ? '`+MetaOrderKey+`'
 ), nx AS (
-	SELECT DISTINCT ON (p."order_key") p."token", p.o FROM (
-		SELECT c."order_key", c."token", c."offsets"[1] AS o FROM %[1]s c
-		WHERE c."group_id" = $1 AND c."token" <= `+parkedTokenMax+`
-		  AND c."order_key" = ANY (ARRAY(SELECT k FROM ak))
+	SELECT p."token", p.o FROM ak, LATERAL (
+		SELECT c."token", c."offsets"[1] AS o FROM %[1]s c
+		WHERE c."group_id" = $1 AND c."order_key" = ak.k AND c."token" <= `+parkedTokenMax+`
+		ORDER BY c."token" LIMIT 1
 	) p
-	ORDER BY p."order_key", p."token"
 ), nd AS (
 	DELETE FROM %[1]s c
 	WHERE c."group_id" = $1 AND c."attempts" = 0 AND c."token" = ANY (ARRAY(

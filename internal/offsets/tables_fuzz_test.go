@@ -66,7 +66,7 @@ func FuzzNewTables(f *testing.F) {
 			}
 		}
 		// The dependent objects are named within the limit too.
-		for _, s := range []string{"_m_seq", "_m_pkey", "_m_xid", "_g_seq", "_g_pkey", "_g_name", "_c_pkey", "_c_lease"} {
+		for _, s := range []string{"_m_seq", "_m_pkey", "_m_xid", "_g_seq", "_g_pkey", "_g_name", "_c_pkey", "_c_lease", "_c_park"} {
 			if n := ident.TableName(prefix, topic, s); len(n) > ident.MaxIdentifierLength {
 				t.Fatalf("topic %q: object name %q is %d bytes", topic, n, len(n))
 			}
