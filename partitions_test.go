@@ -147,8 +147,9 @@ func TestSchema_version3MessagesPartitioned(t *testing.T) {
 	assert.Equal(t, 1, countMessages(t, topic), "d stays: its partition is not full")
 }
 
-// Tables of schema version 4 lack the claims table's index of lease deadlines: without
-// InitializeSchema, Subscribe says how to upgrade them; with it, the index is built and the
+// Tables of schema version 4 lack the claims table's order_key column (order by key), its
+// index of lease deadlines and its index of parked rows: without InitializeSchema, Subscribe
+// says how to upgrade them; with it, the column is added, the indexes are built and the
 // version written, the messages, the group's position and a claim in work kept: the claim,
 // whose lease ran out, is delivered again.
 func TestSchema_version4ClaimsLeaseIndexAdded(t *testing.T) {
@@ -157,9 +158,11 @@ func TestSchema_version4ClaimsLeaseIndexAdded(t *testing.T) {
 	topic := testdb.Topic(t, "")
 	tb := tables(topic)
 	index := ident.TableName("sqlbroker_", topic, "_c_lease")
+	parked := ident.TableName("sqlbroker_", topic, "_c_park")
 	pub := newPublisher(t, pgxDB(t))
 	held := claimLeftInWork(t, pub, topic)
-	_, err := testdb.Pgx(t).Exec(ctx, `DROP INDEX `+ident.Quote(index)+`; COMMENT ON TABLE `+tb.Messages+` IS 'sqlbroker schema v4'`)
+	_, err := testdb.Pgx(t).Exec(ctx, `DROP INDEX `+ident.Quote(index)+`; DROP INDEX `+ident.Quote(parked)+`;
+ALTER TABLE `+tb.Claims+` DROP COLUMN "order_key"; COMMENT ON TABLE `+tb.Messages+` IS 'sqlbroker schema v4'`)
 	require.NoError(t, err)
 
 	assert.Contains(t, refusedSchema(t, pgxDB(t), topic), "set InitializeSchema: true")
@@ -168,6 +171,7 @@ func TestSchema_version4ClaimsLeaseIndexAdded(t *testing.T) {
 	msgs, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	assert.Contains(t, queryString(t, `SELECT indexdef FROM pg_indexes WHERE indexname = $1`, index), "WHEN (token > 0) THEN visible_at")
+	assert.Contains(t, queryString(t, `SELECT indexdef FROM pg_indexes WHERE indexname = $1`, parked), "(group_id, order_key, token) WHERE (token <= '-4611686018427387904'::bigint)")
 	assert.Equal(t, "sqlbroker schema v5", queryString(t, `SELECT obj_description($1::regclass, 'pg_class')`, tb.Messages))
 	got := map[string]string{}
 	for range 2 {

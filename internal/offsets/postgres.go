@@ -527,6 +527,15 @@ END `, quoteLiteral(t.Claims), t.Claims, ident.Quote(old), ident.Qualified(t.Sch
 END `, quoteLiteral(ident.Qualified(t.Schema, old)), t.Claims, ident.Qualified(t.Schema, old), unheldTokenSQL)
 	tag = dollarTag(body)
 	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
+	// Claims tables of versions 3 and 4 lack order_key: added as deliver_at is, the catalog
+	// read first (a nullable column without a default changes only the catalog).
+	body = fmt.Sprintf(` BEGIN
+	IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = %[1]s::regclass AND attname = 'order_key' AND NOT attisdropped) THEN
+		ALTER TABLE %[2]s ADD COLUMN IF NOT EXISTS "order_key" bigint;
+	END IF;
+END `, quoteLiteral(t.Claims), t.Claims)
+	tag = dollarTag(body)
+	fmt.Fprintf(&b, "DO %s%s%s;\n", tag, body, tag)
 	fmt.Fprintf(&b, claimsLeaseIndexSQL+";\n", t.obj("_c_lease"), t.Claims)
 	fmt.Fprintf(&b, claimsParkedIndexSQL+";\n", t.obj("_c_park"), t.Claims)
 	// The partitions of the next offsets.
