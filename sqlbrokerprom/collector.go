@@ -83,15 +83,17 @@ var (
 	descMoreTopics   = prometheus.NewDesc(ns+"_topics_truncated", "1 when the catalog holds more topics than the collector reads (MaxTopics).", nil, nil)
 	descDuration     = prometheus.NewDesc(ns+"_scrape_duration_seconds", "Time the collector spent reading the database at this scrape.", nil, nil)
 
-	descClaimed  = prometheus.NewDesc(ns+"_subscriber_claimed_total", "Messages claimed by the process's subscribers, first deliveries and redeliveries.", subLabels, nil)
-	descAcked    = prometheus.NewDesc(ns+"_subscriber_acked_total", "Acks applied.", subLabels, nil)
-	descNacked   = prometheus.NewDesc(ns+"_subscriber_nacked_total", "Nacks applied.", subLabels, nil)
-	descReleased = prometheus.NewDesc(ns+"_subscriber_released_total", "Claims given back without reaching a handler (at shutdown or when a subscription stops).", subLabels, nil)
-	descStale    = prometheus.NewDesc(ns+"_subscriber_stale_settlements_total", "Acks and nacks refused because the claim was no longer the delivery's (its lease ran out and the message was claimed again, or its lock connection died).", subLabels, nil)
-	descLost     = prometheus.NewDesc(ns+"_subscriber_leases_lost_total", "Deliveries whose claim was lost while their handler ran.", subLabels, nil)
-	descErrors   = prometheus.NewDesc(ns+"_subscriber_errors_total", "Database errors met by claims, lease extensions and settlements.", subLabels, nil)
-	descInFlight = prometheus.NewDesc(ns+"_subscriber_in_flight", "Messages claimed by the process's subscribers and not yet settled.", subLabels, nil)
-	descLocks    = prometheus.NewDesc(ns+"_subscriber_locks_held", "Advisory locks held by the subscribers' lock connections (advisory mode).", subLabels, nil)
+	descClaimed      = prometheus.NewDesc(ns+"_subscriber_claimed_total", "Messages claimed by the process's subscribers, first deliveries and redeliveries.", subLabels, nil)
+	descAcked        = prometheus.NewDesc(ns+"_subscriber_acked_total", "Acks applied.", subLabels, nil)
+	descNacked       = prometheus.NewDesc(ns+"_subscriber_nacked_total", "Nacks applied.", subLabels, nil)
+	descReleased     = prometheus.NewDesc(ns+"_subscriber_released_total", "Claims given back without reaching a handler (at shutdown or when a subscription stops).", subLabels, nil)
+	descStale        = prometheus.NewDesc(ns+"_subscriber_stale_settlements_total", "Acks and nacks refused because the claim was no longer the delivery's (its lease ran out and the message was claimed again, or its lock connection died).", subLabels, nil)
+	descLost         = prometheus.NewDesc(ns+"_subscriber_leases_lost_total", "Deliveries whose claim was lost while their handler ran.", subLabels, nil)
+	descErrors       = prometheus.NewDesc(ns+"_subscriber_errors_total", "Database errors met by claims, lease extensions and settlements.", subLabels, nil)
+	descInFlight     = prometheus.NewDesc(ns+"_subscriber_in_flight", "Messages claimed by the process's subscribers and not yet settled.", subLabels, nil)
+	descDeadLettered = prometheus.NewDesc(ns+"_subscriber_dead_lettered_total", "Messages moved to the dead-letter topic after MaxAttempts deliveries (counted in sqlbroker_subscriber_nacked_total too).", subLabels, nil)
+	descHandedOver   = prometheus.NewDesc(ns+"_subscriber_handed_over_total", "Messages of a group ordered by key claimed by the ack of the message before them of their key (PostgreSQL; counted in sqlbroker_subscriber_claimed_total too).", subLabels, nil)
+	descLocks        = prometheus.NewDesc(ns+"_subscriber_locks_held", "Advisory locks held by the subscribers' lock connections (advisory mode).", subLabels, nil)
 )
 
 // NewCollector builds the collector: it reads the topics' state through db (which must wrap
@@ -138,7 +140,8 @@ func New(db sqlbroker.DB, opts Options, subs ...*sqlbroker.Subscriber) (*Collect
 // Describe sends the descriptions of every metric.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{
-		descClaimed, descAcked, descNacked, descReleased, descStale, descLost, descErrors, descInFlight, descLocks,
+		descClaimed, descAcked, descNacked, descReleased, descStale, descLost, descErrors, descDeadLettered, descHandedOver,
+		descInFlight, descLocks,
 	} {
 		ch <- d
 	}
@@ -183,6 +186,8 @@ func (c *Collector) collectStats(ch chan<- prometheus.Metric) {
 		sum.StaleSettlements += st.StaleSettlements
 		sum.LeasesLost += st.LeasesLost
 		sum.Errors += st.Errors
+		sum.DeadLettered += st.DeadLettered
+		sum.HandedOver += st.HandedOver
 		sum.InFlight += st.InFlight
 		sum.LocksHeld += st.LocksHeld
 	}
@@ -194,6 +199,7 @@ func (c *Collector) collectStats(ch chan<- prometheus.Metric) {
 		}{
 			{descClaimed, s.Claimed}, {descAcked, s.Acked}, {descNacked, s.Nacked}, {descReleased, s.Released},
 			{descStale, s.StaleSettlements}, {descLost, s.LeasesLost}, {descErrors, s.Errors},
+			{descDeadLettered, s.DeadLettered}, {descHandedOver, s.HandedOver},
 		} {
 			ch <- prometheus.MustNewConstMetric(m.d, prometheus.CounterValue, float64(m.v), k.group, k.mode)
 		}

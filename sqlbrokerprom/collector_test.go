@@ -158,6 +158,14 @@ func TestCollector_subscriberCounters(t *testing.T) {
 	assert.Equal(t, float64(subs[0].Stats().Claimed+subs[1].Stats().Claimed), got["sqlbroker_subscriber_claimed_total"][l])
 	assert.GreaterOrEqual(t, got["sqlbroker_subscriber_claimed_total"][l], 3.0)
 	assert.Len(t, got["sqlbroker_subscriber_acked_total"], 1, "one series for both subscribers")
+	for name, v := range map[string]int64{
+		"sqlbroker_subscriber_dead_lettered_total": subs[0].Stats().DeadLettered + subs[1].Stats().DeadLettered,
+		"sqlbroker_subscriber_handed_over_total":   subs[0].Stats().HandedOver + subs[1].Stats().HandedOver,
+	} {
+		if assert.Contains(t, got, name) {
+			assert.Equal(t, float64(v), got[name][l], name)
+		}
+	}
 	assert.NotContains(t, got, "sqlbroker_group_lag_messages")
 }
 
