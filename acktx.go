@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -122,13 +123,18 @@ func (st *settler) ackedInTx(op string, sts []settlement) (rest, acked []settlem
 }
 
 // settledInTx counts the acks of deliveries acked in the caller's transaction as applied, and
-// drops them from the work set; in advisory mode the caller has dropped their locks first.
+// drops them from the work set; in advisory mode the caller has dropped their locks first. In
+// a group ordered by key, an ack frees its key: the next claim looks for the key's next
+// message (the caller's transaction hands nothing over).
 func (st *settler) settledInTx(acked []settlement) {
 	sub := st.sub
 	for _, x := range acked {
 		sub.forget(x.d)
 		sub.s.stats.acked.Add(1)
 		sub.logger.Trace("Ack of a message acked in the caller's transaction", watermill.LogFields{"offset": x.d.offset})
+		if sub.cfg.OrderByKey && x.d.key != "" {
+			sub.claimer.markDue(time.Now())
+		}
 	}
 }
 

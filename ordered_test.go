@@ -470,3 +470,30 @@ func TestOrderByKey_ackHandsOverTheKeysNextMessage(t *testing.T) {
 	assert.GreaterOrEqual(t, st.HandedOver, int64(n/2), "messages handed over by their predecessor's ack")
 	t.Logf("handed over: %d of %d", st.HandedOver, n)
 }
+
+// A message of a key acked in the caller's transaction (AckInTx) frees its key as an ack
+// does: the subscription claims the key's next message at once, not at its next poll.
+func TestOrderByKey_ackInTxFreesTheKey(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	topic := testdb.Topic(t, "")
+	pool := testdb.Pgx(t)
+	pub := newPublisher(t, pgxDB(t))
+	require.NoError(t, pub.Publish(topic, keyed("A1", "A"), keyed("A2", "A")))
+	const poll = 30 * time.Second
+	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", OrderByKey: true,
+		PollInterval: poll, IdlePollInterval: poll})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	first := receive(t, msgs, 10*time.Second)
+	require.Equal(t, "A1", string(first.Payload))
+	noMessage(t, msgs, 300*time.Millisecond) // A2 is parked behind it
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, sqlbroker.AckInTx(ctx, sqlbroker.PgxTx(tx), first))
+	require.NoError(t, tx.Commit(ctx))
+	first.Ack()
+	// Well within the polls: only the ack's own wake-up brings A2 this soon.
+	assert.Equal(t, "A2", string(receive(t, msgs, poll/3).Payload))
+}
