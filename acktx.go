@@ -111,9 +111,9 @@ func StdTxHandler(db *sql.DB, fn func(ctx context.Context, tx *sql.Tx, msg *mess
 // applied (settledInTx). A nack of one is applied as usual, and, refused, means that the
 // caller's commit deleted the claim after all: not stale either. It returns the others, and
 // the acks it took out.
-func (st *settler) ackedInTx(op string, sts []settlement) (rest, acked []settlement) {
+func (st *settler) ackedInTx(op settleOp, sts []settlement) (rest, acked []settlement) {
 	for _, x := range sts {
-		if x.op == op && op == "ack" && x.d.wasAckedInTx() {
+		if x.op == op && op == opAck && x.d.wasAckedInTx() {
 			acked = append(acked, x)
 			continue
 		}

@@ -470,7 +470,7 @@ func (a *advisoryMode) unlock(sts []settlement) {
 
 // failed: the settlements are retried while their locks hold; admit refuses them once their
 // lock is gone.
-func (a *advisoryMode) failed(op string, these []settlement, _ map[int64]bool, err error) []settlement {
+func (a *advisoryMode) failed(op settleOp, these []settlement, _ map[int64]bool, err error) []settlement {
 	a.sub.s.stats.errors.Add(1)
 	a.sub.logger.Error("Settlement failed, retrying while the lock holds", err, watermill.LogFields{"op": op, "count": len(these)})
 	return these
@@ -478,7 +478,7 @@ func (a *advisoryMode) failed(op string, these []settlement, _ map[int64]bool, e
 
 // giveUp: Shutdown has released their locks, and they are refused as such.
 func (a *advisoryMode) giveUp(sts []settlement) {
-	for _, op := range [...]string{"ack", "nack"} {
+	for _, op := range [...]settleOp{opAck, opNack} {
 		a.sub.settler.apply(op, sts)
 	}
 }

@@ -48,7 +48,7 @@ type claimMode interface {
 	settled(n int)
 	// failed is told of settlements whose statement failed (done holds those it applied
 	// before the error) and returns those to try again.
-	failed(op string, these []settlement, done map[int64]bool, err error) []settlement
+	failed(op settleOp, these []settlement, done map[int64]bool, err error) []settlement
 	// giveUp drops settlements that Shutdown left no time to apply.
 	giveUp(sts []settlement)
 	// lostField names, in the log of a refused settlement, whether its claim was lost before.

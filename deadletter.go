@@ -79,7 +79,7 @@ func (sub *subscription) deadOnArrival(d *delivery) {
 	sub.work.settling(d)
 	sub.logger.Info("Message claimed again after its last attempt; moving it to the dead-letter topic",
 		watermill.LogFields{"offset": d.offset, "attempt": d.attempts, "dead_letter_topic": sub.settler.dlq.T.Topic})
-	sub.settler.enqueue(d, "nack")
+	sub.settler.enqueue(d, opNack)
 }
 
 // deadLetter moves the fenced claims fs to the dead-letter topic in one statement, and wakes

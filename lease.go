@@ -246,9 +246,9 @@ func (l *leaseMode) await(d *delivery) {
 		// one made later is not, and the message returns when its lease runs out.
 		select {
 		case <-d.msg.Acked():
-			op = "ack"
+			op = opAck
 		case <-d.msg.Nacked():
-			op = "nack"
+			op = opNack
 		default:
 			return
 		}
@@ -263,7 +263,7 @@ func (l *leaseMode) await(d *delivery) {
 	// In a group ordered by key an ack keeps its token until it is applied too: the statement
 	// may hand it the next message of its key (settler.handOver).
 	sub.work.freeSlot(d)
-	if op == "ack" && !sub.cfg.OrderByKey {
+	if op == opAck && !sub.cfg.OrderByKey {
 		sub.work.freeToken(d)
 	}
 }
@@ -271,7 +271,7 @@ func (l *leaseMode) await(d *delivery) {
 // failed handles settlements whose statement failed: those it applied before the error are
 // counted and done; the rest are retried while their lease holds (it keeps being extended
 // meanwhile), or left to Shutdown's giveUp once it stopped the tracker.
-func (l *leaseMode) failed(op string, these []settlement, done map[int64]bool, err error) []settlement {
+func (l *leaseMode) failed(op settleOp, these []settlement, done map[int64]bool, err error) []settlement {
 	sub := l.sub
 	var rest []settlement
 	for _, x := range these {

@@ -27,7 +27,7 @@ func TestPruner_deletesSettledOnly(t *testing.T) {
 	require.True(t, p.runOnce())
 	assert.EqualValues(t, 4, count(), "claimed messages are kept")
 
-	queue(t, sub, "ack", ds...)
+	queue(t, sub, opAck, ds...)
 	first := <-sub.settler.queue
 	require.Empty(t, sub.settler.settle([]settlement{first}))
 	testdb.Eventually(t, 10*time.Second, "the settled messages deleted", func() bool {

@@ -38,10 +38,19 @@ type settler struct {
 	notApplied atomic.Int64 // settlements given up on because the subscriber shut down
 }
 
+// settleOp is what a handler made of its message: opAck or opNack (its text is what
+// StaleSettlementError.Op and the logs say).
+type settleOp string
+
+const (
+	opAck  settleOp = "ack"
+	opNack settleOp = "nack"
+)
+
 // settlement is an ack or nack waiting to be applied.
 type settlement struct {
 	d  *delivery
-	op string
+	op settleOp
 }
 
 func newSettler(sub *subscription, dlq *offsets.Store) *settler {
@@ -55,7 +64,7 @@ func newSettler(sub *subscription, dlq *offsets.Store) *settler {
 }
 
 // enqueue queues the settlement op of d; d is already marked as settling.
-func (st *settler) enqueue(d *delivery, op string) {
+func (st *settler) enqueue(d *delivery, op settleOp) {
 	st.queue <- settlement{d: d, op: op}
 }
 
@@ -151,7 +160,7 @@ drain:
 		}
 	}
 	var failed []settlement
-	for _, op := range [...]string{"ack", "nack"} {
+	for _, op := range [...]settleOp{opAck, opNack} {
 		failed = append(failed, st.apply(op, pending)...)
 	}
 	if len(failed) > 0 && st.sub.stopping() {
@@ -216,7 +225,7 @@ func (st *settler) nackWaits(sts []settlement) []time.Duration {
 // the claim mode may refuse others first (admit). Those that the statements applied before an
 // error are settled: counted as applied and not run again (a second run would find their
 // claims gone and count them stale).
-func (st *settler) apply(op string, sts []settlement) []settlement {
+func (st *settler) apply(op settleOp, sts []settlement) []settlement {
 	sub, mode := st.sub, st.sub.mode
 	sts, inTx := st.ackedInTx(op, sts)
 	if len(inTx) > 0 {
@@ -239,7 +248,7 @@ func (st *settler) apply(op string, sts []settlement) []settlement {
 	var done map[int64]bool
 	var err error
 	var handed []*delivery
-	if op == "ack" && sub.cfg.OrderByKey && sub.ctx.Err() == nil {
+	if op == opAck && sub.cfg.OrderByKey && sub.ctx.Err() == nil {
 		done, handed, err = st.ackHandingOver(fs)
 	} else {
 		done, err = st.statement(op, fs, st.nackWaits(these))
@@ -266,7 +275,7 @@ func (st *settler) apply(op string, sts []settlement) []settlement {
 // count counts a settlement whose statement ran: applied, acked by the caller's committed
 // transaction, or refused as stale (its row no longer carries the delivery's token).
 func (st *settler) count(x settlement, applied, lostBefore bool, handedKeys map[string]bool) {
-	if st.sub.cfg.OrderByKey && (applied && x.op == "ack" || x.d.wasAckedInTx()) {
+	if st.sub.cfg.OrderByKey && (applied && x.op == opAck || x.d.wasAckedInTx()) {
 		if x.d.key != "" && !handedKeys[x.d.key] {
 			// The next message of its key, parked, may go now and was not handed over: the
 			// next claim looks.
@@ -284,8 +293,8 @@ func (st *settler) count(x settlement, applied, lostBefore bool, handedKeys map[
 }
 
 // countApplied counts an applied settlement of kind op.
-func (st *settler) countApplied(op string) {
-	if op == "ack" {
+func (st *settler) countApplied(op settleOp) {
+	if op == opAck {
 		st.sub.s.stats.acked.Add(1)
 	} else {
 		st.sub.s.stats.nacked.Add(1)
@@ -297,10 +306,10 @@ func (st *settler) countApplied(op string) {
 // means only that the claim was lost, and the message is or will be delivered again;
 // Stats().StaleSettlements counts them. The error, a StaleSettlementError (wrapped with
 // ErrClosed when closed), is in the field "err".
-func (st *settler) stale(d *delivery, op, msg string, closed bool, fields watermill.LogFields) {
+func (st *settler) stale(d *delivery, op settleOp, msg string, closed bool, fields watermill.LogFields) {
 	sub := st.sub
 	sub.s.stats.stale.Add(1)
-	var err error = &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: d.offset, Op: op}
+	var err error = &StaleSettlementError{Topic: sub.store.T.Topic, ConsumerGroup: sub.cfg.ConsumerGroup, Offset: d.offset, Op: string(op)}
 	if closed {
 		err = fmt.Errorf("%w: %w", ErrClosed, err)
 	}
@@ -315,8 +324,8 @@ func (st *settler) stale(d *delivery, op, msg string, closed bool, fields waterm
 // tracker (cancelled on the server after CleanupTimeout, or when Shutdown stops it), and
 // returns the offsets it settled. waits holds, for nacks, how long each claim of fs waits
 // before it comes due again (nackWaits).
-func (st *settler) statement(op string, fs []offsets.Fenced, waits []time.Duration) (map[int64]bool, error) {
-	if op != "ack" {
+func (st *settler) statement(op settleOp, fs []offsets.Fenced, waits []time.Duration) (map[int64]bool, error) {
+	if op != opAck {
 		return st.nackStatements(fs, waits)
 	}
 	sub := st.sub
@@ -449,12 +458,12 @@ func (st *settler) nackStatements(fs []offsets.Fenced, waits []time.Duration) (m
 }
 
 // outcome waits for the handler's ack ("ack") or nack ("nack") of d, or for stop ("").
-func outcome[T any](d *delivery, stop <-chan T) string {
+func outcome[T any](d *delivery, stop <-chan T) settleOp {
 	select {
 	case <-d.msg.Acked():
-		return "ack"
+		return opAck
 	case <-d.msg.Nacked():
-		return "nack"
+		return opNack
 	case <-stop:
 		return ""
 	}

@@ -71,7 +71,7 @@ func claimAll(t *testing.T, sub *subscription, n int) []*delivery {
 }
 
 // queue queues the settlement op of every delivery of ds, as their awaits do.
-func queue(t *testing.T, sub *subscription, op string, ds ...*delivery) {
+func queue(t *testing.T, sub *subscription, op settleOp, ds ...*delivery) {
 	for _, d := range ds {
 		require.True(t, sub.mode.beginSettle())
 		sub.work.settling(d)
@@ -87,8 +87,8 @@ func TestSettler_L3_batchesWhatQueued(t *testing.T) {
 		t.Run(mode.String(), func(t *testing.T) {
 			sub := settlerRig(t, mode)
 			ds := claimAll(t, sub, 4)
-			queue(t, sub, "ack", ds[:3]...)
-			queue(t, sub, "nack", ds[3])
+			queue(t, sub, opAck, ds[:3]...)
+			queue(t, sub, opNack, ds[3])
 
 			first := <-sub.settler.queue
 			retry := sub.settler.settle([]settlement{first})
@@ -118,7 +118,7 @@ func TestSettler_L3_staleCountedOnce(t *testing.T) {
 				require.True(t, sub.work.lose(ds[0]))
 				require.False(t, sub.work.lose(ds[0]), "lost once")
 			}
-			queue(t, sub, "ack", ds...)
+			queue(t, sub, opAck, ds...)
 			first := <-sub.settler.queue
 			assert.Empty(t, sub.settler.settle([]settlement{first}))
 			assert.Empty(t, sub.settler.settle(nil), "nothing left to apply")
@@ -140,7 +140,7 @@ func TestSettler_drainedOnceTheLastIsApplied(t *testing.T) {
 			sub := settlerRig(t, mode)
 			ds := claimAll(t, sub, 3)
 			go sub.settler.run()
-			queue(t, sub, "ack", ds...)
+			queue(t, sub, opAck, ds...)
 			if mode == ClaimLease {
 				close(sub.handout.ended)
 				go sub.settler.closeQueue(sub.handout.ended)
@@ -171,7 +171,7 @@ func TestSettler_S4_drainWaitsForHandlerSettlements(t *testing.T) {
 	err := sub.settler.drain(cancelled)
 	assert.True(t, errors.Is(err, context.Canceled), "an acked delivery is still to settle: %v", err)
 
-	queue(t, sub, "ack", ds[0])
+	queue(t, sub, opAck, ds[0])
 	first := <-sub.settler.queue
 	assert.Empty(t, sub.settler.settle([]settlement{first}))
 	assert.NoError(t, sub.settler.drain(context.Background()))
