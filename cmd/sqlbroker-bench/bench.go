@@ -157,6 +157,9 @@ func (b *bench) describe() {
 	if c.scenarios[11] {
 		fmt.Printf("- hold: %d msg/s offered for %s, %d consumer group(s) of %d subscribers, Retention %s, vacuum held back from %s for %s\n",
 			c.holdRate, c.holdDuration, c.holdGroups, holdSubs, c.holdRetention, c.holdAt, c.holdFor)
+		if c.holdKeys > 0 {
+			fmt.Printf("- hold: messages keyed round %d keys, the groups ordered by key\n", c.holdKeys)
+		}
 	}
 	if c.scenarios[13] {
 		fmt.Printf("- ordered: %d keyed messages a run, %d and %d keys, each run bounded by %s\n",

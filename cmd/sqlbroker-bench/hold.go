@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -218,6 +219,7 @@ func (h *holdSpan) covers(a, b time.Duration) bool {
 type pacer struct {
 	published atomic.Int64
 	due       atomic.Int64
+	keyed     atomic.Int64 // messages given a key
 	maxBehind atomic.Int64
 	batch     int
 	mu        sync.Mutex
@@ -226,7 +228,9 @@ type pacer struct {
 	wg        sync.WaitGroup
 }
 
-func startPacer(ctx context.Context, pub message.Publisher, topic string, rate int, payload []byte) *pacer {
+// startPacer publishes rate messages a second to topic; with keys > 0, message n has the
+// order key n mod keys.
+func startPacer(ctx context.Context, pub message.Publisher, topic string, rate int, payload []byte, keys int) *pacer {
 	ctx, cancel := context.WithCancel(ctx)
 	p := &pacer{batch: min(max(rate/100, 1), holdMaxBatch), cancel: cancel}
 	jobs := make(chan int, holdPublishers)
@@ -238,6 +242,9 @@ func startPacer(ctx context.Context, pub message.Publisher, topic string, rate i
 				msgs := make([]*message.Message, n)
 				for i := range msgs {
 					msgs[i] = message.NewMessage(watermill.NewUUID(), payload)
+					if keys > 0 {
+						msgs[i].Metadata.Set(sqlbroker.MetadataOrderKey, strconv.Itoa(int(p.keyed.Add(1))%keys))
+					}
 				}
 				if err := pub.Publish(topic, msgs...); err != nil {
 					p.mu.Lock()
@@ -333,7 +340,7 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 	}()
 	for g := range groups {
 		for i := range holdSubs {
-			s, err := e.pgSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: fmt.Sprintf("hold%d", g), Retention: cfg.holdRetention})
+			s, err := e.pgSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: fmt.Sprintf("hold%d", g), Retention: cfg.holdRetention, OrderByKey: cfg.holdKeys > 0})
 			if err != nil {
 				return err
 			}
@@ -379,7 +386,7 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 		return err
 	}
 	start := time.Now()
-	p := startPacer(runCtx, pub, topic, cfg.holdRate, b.payload)
+	p := startPacer(runCtx, pub, topic, cfg.holdRate, b.payload, cfg.holdKeys)
 	stopped := false
 	stopPacer := func() {
 		if !stopped {

@@ -122,6 +122,7 @@ type config struct {
 	holdFor         time.Duration // 11
 	holdGroups      int           // 11
 	holdRetention   time.Duration // 11
+	holdKeys        int           // 11: order keys of the messages (0: none), the groups ordered by key
 	retentionN      int           // 12
 	retentionRate   int           // 12
 	retention       time.Duration // 12
@@ -193,6 +194,7 @@ func parseFlags() (*config, error) {
 	holdFor := flag.Duration("hold-for", 120*time.Second, "scenario 11: how long the reader keeps it open")
 	flag.IntVar(&c.holdGroups, "hold-groups", 1, "scenario 11: consumer groups, each of two subscribers")
 	flag.DurationVar(&c.holdRetention, "hold-retention", 10*time.Second, "scenario 11: the subscribers' Retention (0: none)")
+	flag.IntVar(&c.holdKeys, "hold-keys", 0, "scenario 11: order keys the messages go round, the groups ordered by key (0: no keys, unordered)")
 	retentionN := flag.Int("retention-n", 1_000_000, "scenario 12: messages published")
 	flag.IntVar(&c.retentionRate, "retention-rate", 10_000, "scenario 12: messages per second offered")
 	flag.DurationVar(&c.retention, "retention", time.Second, "scenario 12: the subscriber's Retention")
@@ -286,6 +288,9 @@ func parseFlags() (*config, error) {
 		if v < 0 {
 			return nil, fmt.Errorf("-%s (%s) must not be negative", name, v)
 		}
+	}
+	if c.holdKeys < 0 {
+		return nil, fmt.Errorf("-hold-keys (%d) must not be negative", c.holdKeys)
 	}
 	if c.holdAt+c.holdFor > c.holdDuration {
 		return nil, fmt.Errorf("-hold-at (%s) + -hold-for (%s) must not exceed -hold-duration (%s)", c.holdAt, c.holdFor, c.holdDuration)

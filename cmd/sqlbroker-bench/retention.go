@@ -103,7 +103,7 @@ func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 	}
 
 	start := time.Now()
-	p := startPacer(runCtx, pub, topic, cfg.retentionRate, b.payload)
+	p := startPacer(runCtx, pub, topic, cfg.retentionRate, b.payload, 0)
 	stopped := false
 	stopPacer := func() {
 		if !stopped {
