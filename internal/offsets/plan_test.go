@@ -322,14 +322,7 @@ func TestGivenBackClaimSkipsSettledClaims(t *testing.T) {
 	tables, pool, db := createTables(t, ctx)
 	store := offsets.NewStore(tables, true)
 	const settled, batch, rounds = 2_000, 10, 8
-	rows := make([]offsets.Row, (settled+2*rounds+2)*batch)
-	for i := range rows {
-		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: make([]byte, 16), Metadata: "{}"}
-	}
-	if err := store.Insert(ctx, db, rows, ""); err != nil {
-		t.Fatal(err)
-	}
-	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	insertMessages(t, ctx, store, db, (settled+2*rounds+2)*batch, 16)
 	gid, err := store.EnsureGroup(ctx, db, "g", false)
 	if err != nil {
 		t.Fatal(err)
@@ -599,6 +592,13 @@ func insertMessages(t *testing.T, ctx context.Context, store *offsets.Store, db 
 	for i := range rows {
 		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: make([]byte, payload), Metadata: "{}"}
 	}
+	insertRows(t, ctx, store, db, rows)
+}
+
+// insertRows inserts rows and waits until every transaction older than the insert has ended,
+// so that claims see them.
+func insertRows(t *testing.T, ctx context.Context, store *offsets.Store, db dbx.Querier, rows []offsets.Row) {
+	t.Helper()
 	if err := store.Insert(ctx, db, rows, ""); err != nil {
 		t.Fatal(err)
 	}
@@ -867,10 +867,7 @@ func TestAckHandingOverReadsTheFirstParkedOfEachKey(t *testing.T) {
 	for i := range rows {
 		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: []byte("x"), Metadata: fmt.Sprintf(`{%q: "k%d"}`, offsets.MetaOrderKey, i%keys)}
 	}
-	if err := store.Insert(ctx, db, rows, ""); err != nil {
-		t.Fatal(err)
-	}
-	testdb.WaitHorizon(t, ctx, db, tables.Messages)
+	insertRows(t, ctx, store, db, rows)
 	gid, err := store.EnsureGroup(ctx, db, "g", false)
 	if err != nil {
 		t.Fatal(err)
