@@ -19,10 +19,22 @@ import (
 // messages and drives the settler itself.
 func settlerRig(t *testing.T, mode ClaimMode) *subscription {
 	t.Helper()
+	var msgs []*message.Message
+	for range 4 {
+		msgs = append(msgs, message.NewMessage(watermill.NewUUID(), []byte("x")))
+	}
+	return settlerRigOf(t, SubscriberConfig{ClaimMode: mode}, msgs...)
+}
+
+// settlerRigOf is settlerRig with the subscriber's configuration cfg (its consumer group,
+// InitializeSchema and MaxInFlight set here) and the messages msgs published.
+func settlerRigOf(t *testing.T, cfg SubscriberConfig, msgs ...*message.Message) *subscription {
+	t.Helper()
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
 	db := Pgx(testdb.Pgx(t))
-	s, err := NewSubscriber(db, SubscriberConfig{ConsumerGroup: "g", ClaimMode: mode, InitializeSchema: true, MaxInFlight: 16}, nil)
+	cfg.ConsumerGroup, cfg.InitializeSchema, cfg.MaxInFlight = "g", true, 16
+	s, err := NewSubscriber(db, cfg, nil)
 	require.NoError(t, err)
 	store, err := s.stores.store(ctx, s.db, s.db, topic, true)
 	require.NoError(t, err)
@@ -44,9 +56,7 @@ func settlerRig(t *testing.T, mode ClaimMode) *subscription {
 	pub, err := NewPublisher(db, PublisherConfig{}, watermill.NopLogger{})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = pub.Close() })
-	for range 4 {
-		require.NoError(t, pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("x"))))
-	}
+	require.NoError(t, pub.Publish(topic, msgs...))
 	return sub
 }
 
@@ -176,4 +186,40 @@ func TestSettler_S4_drainWaitsForHandlerSettlements(t *testing.T) {
 	assert.Empty(t, sub.settler.settle([]settlement{first}))
 	assert.NoError(t, sub.settler.drain(context.Background()))
 	assert.Equal(t, 1, sub.work.len(), "the delivery no handler settled stays in work")
+}
+
+// Messages that an ordered ack handed over, and that no handler will get because the
+// statement failed after handing them over, are given back at once: released (counted so),
+// and the group's next claim takes the first of their key again.
+func TestSettler_handedOverGivenBackWhenTheAckFails(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var msgs []*message.Message
+	for _, p := range []string{"A1", "A2"} {
+		m := message.NewMessage(watermill.NewUUID(), []byte(p))
+		m.Metadata.Set(MetadataOrderKey, "A")
+		msgs = append(msgs, m)
+	}
+	sub := settlerRigOf(t, SubscriberConfig{OrderByKey: true}, msgs...)
+	first := claimAll(t, sub, 1)
+	require.Equal(t, "A1", string(first[0].msg.Payload))
+	// A claim with A1 held parks A2.
+	cs, _, _, err := sub.mode.claim(nil, 1, offsets.DueAll)
+	require.NoError(t, err)
+	require.Empty(t, cs, "A2 claimed while A1 is held")
+
+	// The ack's statement as it ran before its error: A1 settled, A2 handed over.
+	token := newToken()
+	done, claimed, err := sub.store.AckHandingOver(ctx, sub.s.db, sub.groupID, fenced(first), token, time.Minute, nil)
+	require.NoError(t, err)
+	require.True(t, done[first[0].offset])
+	require.Len(t, claimed, 1)
+	handed := []*delivery{sub.newDelivery(claimed[0], token, time.Now().Add(time.Minute))}
+	require.Equal(t, "A2", string(handed[0].msg.Payload))
+
+	sub.settler.giveBackHanded(handed)
+	assert.EqualValues(t, 1, sub.s.Stats().Released)
+	assert.Error(t, handed[0].msg.Context().Err(), "the context of a message given back ended")
+	again := claimAll(t, sub, 1)
+	assert.Equal(t, "A2", string(again[0].msg.Payload), "the next claim takes the message given back")
 }
