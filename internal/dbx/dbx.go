@@ -8,6 +8,7 @@ package dbx
 import (
 	"context"
 	"errors"
+	"time"
 )
 
 // Querier runs statements. SQL text uses $n placeholders, which every driver accepts.
@@ -42,6 +43,38 @@ type Rows interface {
 	Scan(dest ...any) error
 	Err() error
 	Close()
+}
+
+// LockedQuerier runs a statement that takes a lock (its result dropped), then a query, in one
+// transaction and one round trip: the statements go to the server together and run one after
+// the other in an implicit transaction, which ends with the query's last row. Each statement
+// has a snapshot of its own (READ COMMITTED), so the query sees every transaction that
+// committed before the lock was had. locked is when the client learnt that the lock was held.
+// pgx connections have it; see LockedQuery for the others.
+type LockedQuerier interface {
+	LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (locked time.Time, err error)
+}
+
+// LockedQuery runs lockSQL then sql in one transaction of b, and scan on the rows of sql: in
+// one round trip when b is a LockedQuerier, or in an explicit transaction (begin, lock, query,
+// commit) otherwise.
+func LockedQuery(ctx context.Context, b Beginner, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (time.Time, error) {
+	if l, ok := b.(LockedQuerier); ok {
+		return l.LockedQuery(ctx, lockSQL, lockArgs, sql, args, scan)
+	}
+	var locked time.Time
+	err := InTx(ctx, b, func(tx Tx) error {
+		if _, err := tx.Exec(ctx, lockSQL, lockArgs...); err != nil {
+			return err
+		}
+		locked = time.Now()
+		rows, err := QueryWrite(ctx, tx, sql, args...)
+		if err != nil {
+			return err
+		}
+		return scan(rows)
+	})
+	return locked, err
 }
 
 // Tx is a transaction.

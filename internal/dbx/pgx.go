@@ -167,6 +167,50 @@ func (c *pgxPoolConn) Begin(ctx context.Context) (Tx, error) {
 
 func (c *pgxPoolConn) PID(context.Context) (uint32, error) { return c.c.Conn().PgConn().PID(), nil }
 
+func (c *pgxPoolConn) LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (time.Time, error) {
+	return lockedQuery(ctx, c.c.Conn(), lockSQL, lockArgs, sql, args, scan)
+}
+
+func (p *PgxPool) LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (time.Time, error) {
+	c, err := p.Pool.Acquire(ctx)
+	if err != nil {
+		return time.Time{}, err
+	}
+	defer c.Release()
+	return lockedQuery(ctx, c.Conn(), lockSQL, lockArgs, sql, args, scan)
+}
+
+func (c *pgxConn) LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (time.Time, error) {
+	return lockedQuery(ctx, c.c, lockSQL, lockArgs, sql, args, scan)
+}
+
+// lockedQuery sends both statements as one batch: outside a transaction block, pgx sends a
+// batch as one pipeline with a single Sync, which the server runs as one implicit
+// transaction, committed at the Sync (after the last row) or rolled back on an error.
+func lockedQuery(ctx context.Context, c *pgx.Conn, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (locked time.Time, err error) {
+	if c.PgConn().TxStatus() != 'I' {
+		return locked, errors.New("dbx: LockedQuery on a connection inside a transaction")
+	}
+	b := &pgx.Batch{}
+	b.Queue(lockSQL, lockArgs...)
+	b.Queue(sql, args...)
+	br := c.SendBatch(ctx, b)
+	defer func() {
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+	}()
+	if _, err := br.Exec(); err != nil {
+		return locked, err
+	}
+	locked = time.Now()
+	rows, err := br.Query()
+	if err != nil {
+		return locked, err
+	}
+	return locked, scan(rows)
+}
+
 // Cancel sends a cancel request on a connection of its own (not a backend session): the
 // running statement returns the server's error and the connection stays usable.
 func (c *pgxPoolConn) Cancel(ctx context.Context) (bool, error) {

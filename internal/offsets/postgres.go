@@ -221,20 +221,12 @@ func (s postgres) claim(ctx context.Context, q dbx.Querier, groupID int32, token
 
 func (s postgres) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error) {
 	n := len(out)
-	var locked time.Time
-	err := dbx.InTx(ctx, b, func(tx dbx.Tx) error {
-		out = out[:n]
-		if _, err := tx.Exec(ctx, s.lockGroupSQL, groupID); err != nil {
+	locked, err := dbx.LockedQuery(ctx, b, s.lockGroupSQL, []any{groupID},
+		s.claimOrderedSQL, []any{groupID, token, ms(ttl), limit, pass, MaxParked}, func(rows dbx.Rows) error {
+			var err error
+			out, err = scanClaimed(rows, out[:n])
 			return err
-		}
-		locked = time.Now()
-		rows, err := dbx.QueryWrite(ctx, tx, s.claimOrderedSQL, groupID, token, ms(ttl), limit, pass, MaxParked)
-		if err != nil {
-			return err
-		}
-		out, err = scanClaimed(rows, out)
-		return err
-	})
+		})
 	if err != nil {
 		return out[:n], locked, err
 	}
