@@ -128,13 +128,15 @@ func (st *settler) ackedInTx(op settleOp, sts []settlement) (rest, acked []settl
 // message (the caller's transaction hands nothing over).
 func (st *settler) settledInTx(acked []settlement) {
 	sub := st.sub
+	freed := false
 	for _, x := range acked {
 		sub.forget(x.d)
 		sub.s.stats.acked.Add(1)
 		sub.logger.Trace("Ack of a message acked in the caller's transaction", watermill.LogFields{"offset": x.d.offset})
-		if sub.cfg.OrderByKey && x.d.key != "" {
-			sub.claimer.markDue(time.Now())
-		}
+		freed = freed || x.d.key != ""
+	}
+	if freed && sub.cfg.OrderByKey {
+		sub.claimer.markDue(time.Now())
 	}
 }
 
