@@ -618,7 +618,7 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 			return raceTTL, raceRenew, false
 		}
 		return leaseTTL, renewInterval, mode == sqlbroker.ClaimAdvisoryLock
-	}}
+	}, logs: logPaths(fleets...)}
 	tot.main = chk.check(t, "c", results)
 	tot.race = chk.check(t, "r", raceResults)
 	if orderedOn {

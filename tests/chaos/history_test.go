@@ -3,6 +3,7 @@ package chaos
 import (
 	"context"
 	"fmt"
+	"os"
 	"slices"
 	"sort"
 	"strings"
@@ -56,6 +57,7 @@ type checker struct {
 	faults []fault
 	events []event
 	lease  leaseOf
+	logs   map[string]string // the log file of each process, by its id; a story prints what they said
 }
 
 // verdict is the outcome of the check for one fleet's results.
@@ -406,6 +408,44 @@ func (c *checker) story(t *testing.T, what string, off int64, results string) st
 		if e.Kind == evLockConn && ts(e.At).After(from.Add(-10*time.Second)) && ts(e.At).Before(to.Add(10*time.Second)) {
 			fmt.Fprintf(&b, "  %s %s: lock connection failed: %s\n", ts(e.At).Format("15:04:05.000"), e.Proc, e.Err)
 		}
+	}
+	seen := map[string]bool{}
+	for _, e := range c.events {
+		if e.Offset != off || seen[e.Proc] || c.logs[e.Proc] == "" {
+			continue
+		}
+		seen[e.Proc] = true
+		b.WriteString(logAround(c.logs[e.Proc], e.Proc, from.Add(-3*time.Second), to.Add(time.Second), 30))
+	}
+	return b.String()
+}
+
+// logAround returns the lines of a process's log (watermill's standard logger: each line
+// stamped to the microsecond) between from and to, at Info level or above, at most n of them:
+// what the library said of the claims and statements around an unexplained event (an
+// extension that failed, and why).
+func logAround(path, proc string, from, to time.Time, n int) string {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Sprintf("  log of %s: %v\n", proc, err)
+	}
+	var b strings.Builder
+	count := 0
+	for _, line := range strings.Split(string(data), "\n") {
+		rest, ok := strings.CutPrefix(line, "[watermill] ")
+		if !ok || len(rest) < 26 || strings.Contains(rest, "level=DEBUG") || strings.Contains(rest, "level=TRACE") {
+			continue
+		}
+		at, err := time.ParseInLocation("2006/01/02 15:04:05.000000", rest[:26], time.Local)
+		if err != nil || at.Before(from) || at.After(to) {
+			continue
+		}
+		if count == n {
+			fmt.Fprintf(&b, "  log %s: more lines left out\n", proc)
+			break
+		}
+		count++
+		fmt.Fprintf(&b, "  log %s %s\n", proc, rest[11:])
 	}
 	return b.String()
 }

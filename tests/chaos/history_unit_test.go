@@ -1,11 +1,14 @@
 package chaos
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // A duplicate whose later handling is the faulty one: c2 held the message through a freeze
@@ -194,4 +197,26 @@ func TestHistory_leaseLostUnderLockMeasuredFromLockStart(t *testing.T) {
 	short := &checker{faults: []fault{{Kind: faultTableLock, Start: at(16), End: at(1016)}}, lease: lease}
 	_, ok = short.loss(lost)
 	assert.False(t, ok, "a lease lost under a lock shorter than the lease explained")
+}
+
+// A story prints what the process's log said around the event: lines at Info or above within
+// the window, none outside it.
+func TestLogAround(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "o2g1.log")
+	lines := "[watermill] 2026/12/06 20:19:52.000000 lease.go:1: \tlevel=ERROR msg=\"too early\"\n" +
+		"[watermill] 2026/12/06 20:19:54.500000 lease.go:1: \tlevel=ERROR msg=\"Extending leases failed\" err=\"timeout\"\n" +
+		"[watermill] 2026/12/06 20:19:54.600000 lease.go:1: \tlevel=DEBUG msg=\"noise\"\n" +
+		"not a log line\n" +
+		"[watermill] 2026/12/06 20:19:55.828000 lease.go:1: \tlevel=INFO  msg=\"Lease lost; the message may be redelivered\" offset=24\n" +
+		"[watermill] 2026/12/06 20:19:59.000000 lease.go:1: \tlevel=INFO  msg=\"too late\"\n"
+	require.NoError(t, os.WriteFile(path, []byte(lines), 0o600))
+	at := func(s string) time.Time {
+		v, err := time.ParseInLocation("2006/01/02 15:04:05", "2026/12/06 "+s, time.Local)
+		require.NoError(t, err)
+		return v
+	}
+	got := logAround(path, "o2g1", at("20:19:53"), at("20:19:56"), 30)
+	require.Equal(t, "  log o2g1 20:19:54.500000 lease.go:1: \tlevel=ERROR msg=\"Extending leases failed\" err=\"timeout\"\n"+
+		"  log o2g1 20:19:55.828000 lease.go:1: \tlevel=INFO  msg=\"Lease lost; the message may be redelivered\" offset=24\n", got)
+	require.Contains(t, logAround(path, "o2g1", at("20:19:53"), at("20:19:56"), 1), "more lines left out")
 }

@@ -348,6 +348,18 @@ func (f *fleet) reports() (map[string]consumerReport, map[string]bool, []*proc) 
 	return last, final, append([]*proc(nil), f.all...)
 }
 
+// logPaths returns the log file of every process the fleets started, by process id.
+func logPaths(fleets ...*fleet) map[string]string {
+	paths := map[string]string{}
+	for _, f := range fleets {
+		_, _, procs := f.reports()
+		for _, p := range procs {
+			paths[p.id] = p.logPath
+		}
+	}
+	return paths
+}
+
 // tail returns the last n lines of a file.
 func tail(path string, n int) string {
 	b, err := os.ReadFile(path)
