@@ -73,10 +73,10 @@ func (l *leaseMode) claim(buf []offsets.Claimed, n int, due offsets.Due) ([]offs
 	}
 	// The local deadline of the claims counts from sent: a time before the database wrote
 	// their leases, so that it never outlives them. It is taken once the claim has its
-	// connection, and for an ordered claim once it holds the group's lock: a wait for either
-	// (a pool whose connections are being dialled, another consumer's claim) would otherwise
-	// be taken off the lease, and at the start of a busy process leave too little of it for
-	// the first extensions.
+	// connection, and for an ordered claim it is the time the store gives, which comes after
+	// the wait for the group's lock: a wait for either (a pool whose connections are being
+	// dialled, another consumer's claim) would otherwise be taken off the lease, and at the
+	// start of a busy process leave too little of it for the first extensions.
 	sent := time.Now()
 	var pid uint32
 	claimed := buf
@@ -89,10 +89,10 @@ func (l *leaseMode) claim(buf []offsets.Claimed, n int, due offsets.Due) ([]offs
 		if sub.cfg.OrderByKey {
 			// Ordered claims always look at what is due: a parked message's key frees when
 			// another message of its key is settled, by any consumer.
-			var locked time.Time
-			claimed, locked, err = sub.store.ClaimOrdered(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, max(sub.claimer.passRoom, orderedPass), buf)
-			if locked.After(sent) {
-				sent = locked
+			var leased time.Time
+			claimed, leased, err = sub.store.ClaimOrdered(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, max(sub.claimer.passRoom, orderedPass), buf)
+			if leased.After(sent) {
+				sent = leased
 			}
 			return err
 		}

@@ -8,7 +8,6 @@ package dbx
 import (
 	"context"
 	"errors"
-	"time"
 )
 
 // Querier runs statements. SQL text uses $n placeholders, which every driver accepts.
@@ -49,32 +48,31 @@ type Rows interface {
 // transaction and one round trip: the statements go to the server together and run one after
 // the other in an implicit transaction, which ends with the query's last row. Each statement
 // has a snapshot of its own (READ COMMITTED), so the query sees every transaction that
-// committed before the lock was had. locked is when the client learnt that the lock was held.
+// committed before the lock was had. The client cannot tell when the lock was had: the
+// server sends the lock's result with the query's, at the end. A query that needs that time
+// measures it itself, against the transaction's start (now()), which comes after the call.
 // pgx connections have it; see LockedQuery for the others.
 type LockedQuerier interface {
-	LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (locked time.Time, err error)
+	LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) error
 }
 
 // LockedQuery runs lockSQL then sql in one transaction of b, and scan on the rows of sql: in
 // one round trip when b is a LockedQuerier, or in an explicit transaction (begin, lock, query,
 // commit) otherwise.
-func LockedQuery(ctx context.Context, b Beginner, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (time.Time, error) {
+func LockedQuery(ctx context.Context, b Beginner, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) error {
 	if l, ok := b.(LockedQuerier); ok {
 		return l.LockedQuery(ctx, lockSQL, lockArgs, sql, args, scan)
 	}
-	var locked time.Time
-	err := InTx(ctx, b, func(tx Tx) error {
+	return InTx(ctx, b, func(tx Tx) error {
 		if _, err := tx.Exec(ctx, lockSQL, lockArgs...); err != nil {
 			return err
 		}
-		locked = time.Now()
 		rows, err := QueryWrite(ctx, tx, sql, args...)
 		if err != nil {
 			return err
 		}
 		return scan(rows)
 	})
-	return locked, err
 }
 
 // Tx is a transaction.

@@ -167,29 +167,32 @@ func (c *pgxPoolConn) Begin(ctx context.Context) (Tx, error) {
 
 func (c *pgxPoolConn) PID(context.Context) (uint32, error) { return c.c.Conn().PgConn().PID(), nil }
 
-func (c *pgxPoolConn) LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (time.Time, error) {
+func (c *pgxPoolConn) LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) error {
 	return lockedQuery(ctx, c.c.Conn(), lockSQL, lockArgs, sql, args, scan)
 }
 
-func (p *PgxPool) LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (time.Time, error) {
+func (p *PgxPool) LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) error {
 	c, err := p.Pool.Acquire(ctx)
 	if err != nil {
-		return time.Time{}, err
+		return err
 	}
 	defer c.Release()
 	return lockedQuery(ctx, c.Conn(), lockSQL, lockArgs, sql, args, scan)
 }
 
-func (c *pgxConn) LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (time.Time, error) {
+func (c *pgxConn) LockedQuery(ctx context.Context, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) error {
 	return lockedQuery(ctx, c.c, lockSQL, lockArgs, sql, args, scan)
 }
 
 // lockedQuery sends both statements as one batch: outside a transaction block, pgx sends a
 // batch as one pipeline with a single Sync, which the server runs as one implicit
-// transaction, committed at the Sync (after the last row) or rolled back on an error.
-func lockedQuery(ctx context.Context, c *pgx.Conn, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (locked time.Time, err error) {
+// transaction, committed at the Sync (after the last row) or rolled back on an error. The
+// server holds its replies back until the Sync, or until its send buffer fills: the lock's
+// result reaches the client after the query has run, and tells nothing of when the lock was
+// had.
+func lockedQuery(ctx context.Context, c *pgx.Conn, lockSQL string, lockArgs []any, sql string, args []any, scan func(Rows) error) (err error) {
 	if c.PgConn().TxStatus() != 'I' {
-		return locked, errors.New("dbx: LockedQuery on a connection inside a transaction")
+		return errors.New("dbx: LockedQuery on a connection inside a transaction")
 	}
 	b := &pgx.Batch{}
 	b.Queue(lockSQL, lockArgs...)
@@ -201,14 +204,13 @@ func lockedQuery(ctx context.Context, c *pgx.Conn, lockSQL string, lockArgs []an
 		}
 	}()
 	if _, err := br.Exec(); err != nil {
-		return locked, err
+		return err
 	}
-	locked = time.Now()
 	rows, err := br.Query()
 	if err != nil {
-		return locked, err
+		return err
 	}
-	return locked, scan(rows)
+	return scan(rows)
 }
 
 // Cancel sends a cancel request on a connection of its own (not a backend session): the

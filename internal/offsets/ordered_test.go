@@ -4,8 +4,11 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
@@ -428,4 +431,89 @@ func offsetOf(t *testing.T, ctx context.Context, db orderedDB, tables offsets.Ta
 		t.Fatal(err)
 	}
 	return off
+}
+
+// The ordered claim returns a time no later than when the database began its leases, also
+// when its statement waited after the group's lock was had (here on a table lock): a local
+// deadline counted from then never outlives the lease. The wait is not taken off the lease
+// either: the time comes after it. Both drivers; on pgx the lock and the claim go to the server
+// in one batch, whose replies come back only once the claim has run.
+func TestClaimOrdered_leasedNoLaterThanTheDatabaseLease(t *testing.T) {
+	for _, driver := range []string{"pgx", "database/sql"} {
+		t.Run(driver, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			tables, pool, pgxDB := createTables(t, ctx)
+			var b orderedDB
+			if driver == "database/sql" {
+				b = dbx.NewStdPool(testdb.Std(t))
+			} else {
+				one, err := pgxpool.New(ctx, testdb.URL()+sep(testdb.URL())+"pool_max_conns=1")
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer one.Close()
+				b = dbx.NewPgxPool(one)
+			}
+			store := offsets.NewStore(tables, false)
+			gid, err := store.EnsureGroup(ctx, pgxDB, "g", false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// A first claim, of nothing, prepares the statement on the pool's one connection
+			// (pgx caches it): the next one then waits on the table inside its transaction.
+			if _, _, err := store.ClaimOrdered(ctx, b, gid, 1, time.Minute, 10, 100, nil); err != nil {
+				t.Fatal(err)
+			}
+			rows := []offsets.Row{
+				{UUID: "a", Metadata: fmt.Sprintf(`{%q: "A"}`, offsets.MetaOrderKey)},
+				{UUID: "b", Metadata: "{}"},
+			}
+			if err := store.Insert(ctx, pgxDB, rows, ""); err != nil {
+				t.Fatal(err)
+			}
+			// The claim's statement waits on the messages table once the group's row is locked.
+			holder, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = holder.Rollback(ctx) }()
+			if _, err := holder.Exec(ctx, "LOCK TABLE "+tables.Messages+" IN ACCESS EXCLUSIVE MODE"); err != nil {
+				t.Fatal(err)
+			}
+			const wait = time.Second
+			go func() {
+				time.Sleep(wait)
+				_ = holder.Commit(ctx)
+			}()
+			const token, ttl = 7, time.Minute
+			before := time.Now()
+			cs, leased, err := store.ClaimOrdered(ctx, b, gid, token, ttl, 10, 100, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(cs) != 2 {
+				t.Fatalf("claimed %d messages, want 2", len(cs))
+			}
+			var began time.Time
+			if err := pool.QueryRow(ctx, `SELECT min("visible_at") - $2::float8 * interval '1 millisecond' FROM `+tables.Claims+` WHERE "token" = $1`,
+				token, float64(ttl.Milliseconds())).Scan(&began); err != nil {
+				t.Fatal(err)
+			}
+			if leased.After(began) {
+				t.Errorf("the claim's time %s is %s after the database began its leases (%s)", leased.Format("15:04:05.000000"), leased.Sub(began), began.Format("15:04:05.000000"))
+			}
+			if d := leased.Sub(before); d < wait-50*time.Millisecond {
+				t.Errorf("the claim's time came %s after it was called: the wait of %s was taken off the lease", d, wait)
+			}
+		})
+	}
+}
+
+// sep is what joins a parameter to url.
+func sep(url string) string {
+	if strings.Contains(url, "?") {
+		return "&"
+	}
+	return "?"
 }

@@ -221,16 +221,24 @@ func (s postgres) claim(ctx context.Context, q dbx.Querier, groupID int32, token
 
 func (s postgres) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error) {
 	n := len(out)
-	locked, err := dbx.LockedQuery(ctx, b, s.lockGroupSQL, []any{groupID},
+	began := time.Now() // before the transaction's start, which its statement counts from
+	err := dbx.LockedQuery(ctx, b, s.lockGroupSQL, []any{groupID},
 		s.claimOrderedSQL, []any{groupID, token, ms(ttl), limit, pass, MaxParked}, func(rows dbx.Rows) error {
 			var err error
 			out, err = scanClaimed(rows, out[:n])
 			return err
 		})
 	if err != nil {
-		return out[:n], locked, err
+		return out[:n], time.Time{}, err
 	}
-	return out, locked, nil
+	var leased time.Time // zero while no claim was made
+	for _, c := range out[n:] {
+		if c.Delayed.IsZero() {
+			leased = began.Add(c.leasedAfter)
+			break
+		}
+	}
+	return out, leased, nil
 }
 
 // claimLocked is ClaimLockedPassing (see claimLockedSQL).

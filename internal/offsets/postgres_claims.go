@@ -491,10 +491,18 @@ const orderKeySQL = `CASE WHEN m."metadata" ? '` + MetaOrderKey + `' THEN hashte
 //     reads, stay few;
 //   - the rows written as in claimSQL, and the parked ones.
 //
+// The leases it writes count from lt, a time taken once the statement runs, after the group's
+// lock was had; each claimed line carries, in its last column, how many milliseconds lt came
+// after the transaction's start (now()). The client knows a time before that start (before it
+// sent the statement), and, adding those milliseconds, a time before the leases began: its
+// deadlines never outlive them, and the wait for the group's lock does not shorten them.
+//
 // $1 group, $2 token, $3 the lease in ms, $4 the room, $5 the delayed or parked messages it may
 // pass, $6 the most parked messages the group keeps.
 func orderedClaimSQL(t Tables, with, cond string) string {
-	return fmt.Sprintf(`%[4]scl AS MATERIALIZED (
+	return fmt.Sprintf(`%[4]slt AS MATERIALIZED (
+	SELECT clock_timestamp() AS "at"
+), cl AS MATERIALIZED (
 	SELECT c."token", c."attempts", c."offsets", c."order_key" FROM %[3]s c WHERE c."group_id" = $1
 ), busy AS MATERIALIZED (
 	SELECT DISTINCT `+orderKeySQL+` AS k
@@ -543,7 +551,7 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 	SELECT due."offset", due."token", due."attempts" + 1 AS "attempts" FROM due
 ), `+moveOutSQL("%[3]s")+`, ins AS (
 	INSERT INTO %[3]s AS c ("group_id", "token", "attempts", "visible_at", "offsets", "order_key")
-	SELECT $1, $2::bigint, a.att, (SELECT clock_timestamp() + $3::float8 * interval '1 millisecond'), array_agg(a.o ORDER BY a.o), NULL::bigint FROM (
+	SELECT $1, $2::bigint, a.att, (SELECT lt."at" + $3::float8 * interval '1 millisecond' FROM lt), array_agg(a.o ORDER BY a.o), NULL::bigint FROM (
 		SELECT r."offset" AS o, r."attempts" AS att FROM r
 		UNION ALL
 		SELECT h.o, 1 FROM h WHERE h.later IS NULL
@@ -560,15 +568,17 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
 	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
 	WHERE "group_id" = $1
+), ls AS (
+	SELECT extract(epoch FROM lt."at" - now())::float8 * 1000 AS s FROM lt
 )
 SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts", x.kind, x.at FROM (
-	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS kind, 0::bigint AS o1, r."offset" AS o2, 0::float8 AS at
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS kind, 0::bigint AS o1, r."offset" AS o2, (SELECT s FROM ls) AS at
 	FROM r, `+byOffsetSQL("msg", `r."offset"`)+`
 	UNION ALL
-	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", 1, 1, 0, h.o, 0::float8
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", 1, 1, 0, h.o, (SELECT s FROM ls)
 	FROM h, `+byOffsetSQL("msg", "h.o")+` WHERE h.later IS NULL
 	UNION ALL
-	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, 1, row_number() OVER (ORDER BY m."xid", m."offset"), 0::float8
+	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, 1, row_number() OVER (ORDER BY m."xid", m."offset"), (SELECT s FROM ls)
 	FROM m WHERE m.cls = 'c'
 	UNION ALL
 	SELECT x.o, '', ''::bytea, '{}'::jsonb, 0, 2, 0, x.o, extract(epoch FROM x.later)::float8 * 1000

@@ -48,6 +48,10 @@ type Claimed struct {
 	// because it is delayed until then: its claim row comes due at that time, for the group's
 	// claims due again to take. Nothing but Offset is set.
 	Delayed time.Time
+
+	// leasedAfter is, for a line of an ordered claim on PostgreSQL, how long after its
+	// transaction began its leases began (see orderedClaimSQL).
+	leasedAfter time.Duration
 }
 
 // TakeDelayed moves the delayed entries (Claimed.Delayed) of cs out of it, keeping the order of the
@@ -83,6 +87,8 @@ func scanClaimed(rows dbx.Rows, out []Claimed) ([]Claimed, error) {
 		c.Attempts, c.Again = int(attempts), kind == 0
 		if kind == 2 {
 			c.Delayed = time.UnixMicro(int64(at * 1000))
+		} else {
+			c.leasedAfter = time.Duration(at * float64(time.Millisecond))
 		}
 		out = append(out, c)
 	}
@@ -144,10 +150,10 @@ const MaxParked = 1_000
 // the others wait parked. It runs in a transaction of its own begun on b, which locks the
 // group's row first, so that the group's ordered claims run one after another.
 //
-// It also returns when the transaction had that lock (on SQLite, the database's write lock),
-// taken before the claim's statement was sent: the leases it writes count from later, so a
-// deadline counted from then never outlives them, and the wait for the lock (another
-// consumer's claim, a frozen process holding the write lock) does not shorten it.
+// It also returns, when it claimed, a time no later than when its leases began and no earlier
+// than the start of the transaction that had the lock (on SQLite, when the database's write
+// lock was had): a deadline counted from then never outlives them, and the wait for the lock
+// (another consumer's claim, a frozen process holding the write lock) does not shorten it.
 func (s *Store) ClaimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error) {
 	return s.db.claimOrdered(ctx, b, groupID, token, ttl, limit, pass, out)
 }
