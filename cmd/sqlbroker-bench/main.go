@@ -159,7 +159,7 @@ func parseFlags() (*config, error) {
 	flag.IntVar(&c.payloadSize, "payload", 256, "payload bytes per message")
 	flag.DurationVar(&c.timeout, "timeout", 60*time.Minute, "bound on the whole run")
 	flag.StringVar(&c.svgPath, "svg", "", "write an SVG bar chart of the results to this path")
-	flag.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of each contender's timed drain (scenario 1) to this path, the contender's name inserted before the extension, and of its four-subscriber run (scenario 3) with -instances4 after the name")
+	flag.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of each contender's timed drain (scenario 1) to this path, the contender's name inserted before the extension, of its four-subscriber run (scenario 3) with -instances4 after the name, and of the drains of scenario 13 with -unordered64, -ordered64 and -ordered10000 (the keys)")
 	flag.BoolVar(&c.verbose, "v", false, "log progress to stderr")
 	flag.BoolVar(&c.traceSQL, "trace-sql", false, "time every statement on the client side (pgx tracer) and print a table per contender and scenario; slows the run a little")
 	flag.BoolVar(&c.serverProfile, "server-profile", false, "sample pg_stat_activity every 100ms during the drains (scenarios 1 and 6) and batched publishing (5a) and print where the server's time went: the contender's backends, autovacuum, background writes")

@@ -125,19 +125,32 @@ func (b *bench) orderedRun(ctx context.Context, c contender, keys int, ordered b
 	defer b.dropTopic(c, topic)
 	e.orderByKey = ordered
 	check := newOrderCheck(keys)
-	res, err := b.runRouter(ctx, e, topic, routerRun{
+	what := "unordered"
+	if ordered {
+		what = "ordered"
+	}
+	r := routerRun{
 		instances: 1, maxInFlight: inFlight, sleep: sleep, stopAt: n, window: b.cfg.orderedWindow, drain: true,
 		around: check.begin,
-	})
+	}
+	if sleep == 0 { // the drains: with -cpuprofile, a profile each
+		run := fmt.Sprintf("%s%d", what, keys)
+		r = b.profiled(r, profilePath(b.cfg.cpuProfile, c, run), fmt.Sprintf("%s, scenario 13, %s", c, run))
+	}
+	res, err := b.runRouter(ctx, e, topic, r)
 	if err != nil {
 		return 0, 0, err
 	}
-	what, bad := "unordered", 0 // an unordered run breaks order by design
+	bad := 0 // an unordered run breaks order by design
 	if ordered {
-		what, bad = "ordered", check.violations()
+		bad = check.violations()
 	}
-	b.logf("  %s: %s, %d keys, MaxInFlight %d, handler %s: %d handled in %s, %d violations, at most %d in handlers at once",
-		c, what, keys, inFlight, sleep, res.handled, res.elapsed.Round(time.Millisecond), bad, check.peak)
+	cpu := fmt.Sprintf("client CPU %.1f µs a message", float64(res.cpu.client.Microseconds())/float64(max(res.handled, 1)))
+	if res.cpu.serverKnown {
+		cpu += fmt.Sprintf(", server %.1f", float64(res.cpu.server.Microseconds())/float64(max(res.handled, 1)))
+	}
+	b.logf("  %s: %s, %d keys, MaxInFlight %d, handler %s: %d handled in %s, %d violations, at most %d in handlers at once; %s",
+		c, what, keys, inFlight, sleep, res.handled, res.elapsed.Round(time.Millisecond), bad, check.peak, cpu)
 	return rate(res.handled, res.elapsed), bad, nil
 }
 
