@@ -477,15 +477,18 @@ func TestClaimOrdered_leasedNoLaterThanTheDatabaseLease(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer func() { _ = holder.Rollback(ctx) }()
 			if _, err := holder.Exec(ctx, "LOCK TABLE "+tables.Messages+" IN ACCESS EXCLUSIVE MODE"); err != nil {
+				_ = holder.Rollback(ctx)
 				t.Fatal(err)
 			}
 			const wait = time.Second
+			committed := make(chan struct{})
 			go func() {
+				defer close(committed)
 				time.Sleep(wait)
 				_ = holder.Commit(ctx)
 			}()
+			defer func() { <-committed }() // the holder is the goroutine's until it has committed
 			const token, ttl = 7, time.Minute
 			before := time.Now()
 			cs, leased, err := store.ClaimOrdered(ctx, b, gid, token, ttl, 10, 100, nil)
