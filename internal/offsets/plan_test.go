@@ -28,6 +28,7 @@ type planNode struct {
 	Index       string     `json:"Index Name"`
 	ActualRows  float64    `json:"Actual Rows"`
 	ActualLoops float64    `json:"Actual Loops"`
+	Filtered    float64    `json:"Rows Removed by Filter"`
 	HitBlocks   float64    `json:"Shared Hit Blocks"`  // with auto_explain.log_buffers
 	ReadBlocks  float64    `json:"Shared Read Blocks"` // with auto_explain.log_buffers
 	Plans       []planNode `json:"Plans"`
@@ -107,6 +108,23 @@ func widestOn(n planNode, table string) (planNode, float64) {
 	}
 	for _, c := range n.Plans {
 		if b, m := widestOn(c, table); m > most {
+			best, most = b, m
+		}
+	}
+	return best, most
+}
+
+// mostReadOn is widestOn counting the rows a node read: those it produced and those its
+// filter removed (rows x loops).
+func mostReadOn(n planNode, table string) (planNode, float64) {
+	var best planNode
+	most := -1.0
+	name := strings.Trim(table, `"`)
+	if strings.HasPrefix(n.Relation, name) || strings.HasPrefix(n.Index, strings.TrimSuffix(name, "claims")+"c_") {
+		best, most = n, (n.ActualRows+n.Filtered)*n.ActualLoops
+	}
+	for _, c := range n.Plans {
+		if b, m := mostReadOn(c, table); m > most {
 			best, most = b, m
 		}
 	}
@@ -900,8 +918,8 @@ func TestAckHandingOverReadsTheFirstParkedOfEachKey(t *testing.T) {
 			t.Fatalf("round %d: %d acks applied and %d handed over, want %d and %d", round, len(done), len(handed), keys, keys)
 		}
 		for _, p := range parsePlans(t, fmt.Sprintf("ack handing over, round %d", round), plans()) {
-			if node, most := widestOn(p.root, tables.Claims); most > 4*keys {
-				t.Errorf("round %d: %s on %s%s produced %.0f rows for %d keys with %d parked messages:\n%s",
+			if node, most := mostReadOn(p.root, tables.Claims); most > 4*keys {
+				t.Errorf("round %d: %s on %s%s read %.0f rows for %d keys with %d parked messages:\n%s",
 					round, node.NodeType, node.Relation, node.Index, most, keys, keys*(each-1-round), p.text)
 			}
 		}

@@ -376,7 +376,11 @@ const claimsParkedIndexSQL = `CREATE INDEX IF NOT EXISTS %s ON %s ("group_id", "
 //   - nx: each key's parked row of lowest token (its first in the group's order), the first
 //     entry of the key in the parked rows' index (claimsParkedIndexSQL); a delayed message
 //     whose time has not come is left to the claims, which make it due at its time;
-//   - nd: those rows deleted: only the ones deleted here are handed over;
+//   - nd: those rows deleted, found by their address (a TID scan): only the ones deleted
+//     here are handed over. Found by token instead, the generic plan read the group's whole
+//     range of the primary key and filtered it by the tokens: every parked row, and the dead
+//     versions of those parked since the last vacuum, at every ack. A parked row is never
+//     updated, only deleted: one that another statement deleted meanwhile is skipped;
 //   - their offsets written in one held row of token $4, attempt 1.
 //
 // Its lines: kind 0 for settledLinesSQL's (offset, applied), with an empty uuid, payload and
@@ -388,15 +392,15 @@ func ackHandingOverSQL(t Tables, with, cond string) string {
 	FROM done, `+byOffsetSQL("m", "done.o")+`
 	WHERE m."metadata" ? '`+MetaOrderKey+`'
 ), nx AS (
-	SELECT p."token", p.o FROM ak, LATERAL (
-		SELECT c."token", c."offsets"[1] AS o FROM %[1]s c
+	SELECT p.r, p.o FROM ak, LATERAL (
+		SELECT c.ctid AS r, c."offsets"[1] AS o FROM %[1]s c
 		WHERE c."group_id" = $1 AND c."order_key" = ak.k AND c."token" <= `+parkedTokenMax+`
 		ORDER BY c."token" LIMIT 1
 	) p
 ), nd AS (
 	DELETE FROM %[1]s c
-	WHERE c."group_id" = $1 AND c."attempts" = 0 AND c."token" = ANY (ARRAY(
-		SELECT nx."token" FROM nx, `+byOffsetSQL("m", "nx.o")+` WHERE (m."deliver_at" > now()) IS NOT TRUE))
+	WHERE c.ctid = ANY (ARRAY(
+		SELECT nx.r FROM nx, `+byOffsetSQL("m", "nx.o")+` WHERE (m."deliver_at" > now()) IS NOT TRUE))
 	RETURNING c."offsets"[1] AS o
 ), nins AS (
 	INSERT INTO %[1]s AS c ("group_id", "token", "attempts", "visible_at", "offsets")
