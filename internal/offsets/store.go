@@ -150,10 +150,11 @@ const MaxParked = 1_000
 // the others wait parked. It runs in a transaction of its own begun on b, which locks the
 // group's row first, so that the group's ordered claims run one after another.
 //
-// It also returns, when it claimed, a time no later than when its leases began and no earlier
-// than the start of the transaction that had the lock (on SQLite, when the database's write
-// lock was had): a deadline counted from then never outlives them, and the wait for the lock
-// (another consumer's claim, a frozen process holding the write lock) does not shorten it.
+// It also returns, when it claimed, a time no later than when its leases began, which comes
+// after the wait for the lock (on PostgreSQL, a time taken before the transaction began plus
+// how long after its start the leases began; on SQLite, when the database's write lock was
+// had): a deadline counted from then never outlives them, and the wait for the lock (another
+// consumer's claim, a frozen process holding the write lock) does not shorten it.
 func (s *Store) ClaimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error) {
 	return s.db.claimOrdered(ctx, b, groupID, token, ttl, limit, pass, out)
 }
