@@ -41,10 +41,22 @@ func TestLockedQuery_seesWhatTheLockHolderCommitted(t *testing.T) {
 			require.NoError(t, err)
 			_, err = holder.Exec(ctx, "INSERT INTO "+table+" VALUES (1)")
 			require.NoError(t, err)
+			// The holder commits once the call waits for its lock: the call's query must then see
+			// the row committed while it waited.
+			committed := make(chan struct{})
 			go func() {
-				time.Sleep(300 * time.Millisecond)
+				defer close(committed)
+				for ctx.Err() == nil {
+					var waiting bool
+					if dbx.QueryRow(ctx, pg, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted
+						AND ((classid::bigint << 32) | objid::bigint) = $1)`, []any{key}, &waiting) == nil && waiting {
+						break
+					}
+					time.Sleep(5 * time.Millisecond)
+				}
 				_ = holder.Commit(ctx)
 			}()
+			defer func() { <-committed }()
 			var seen int
 			err = dbx.LockedQuery(ctx, b, lockSQL, []any{key}, "SELECT count(*) FROM "+table, nil, func(rows dbx.Rows) error {
 				defer rows.Close()
