@@ -3,7 +3,6 @@ package sqlbroker
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -146,6 +145,9 @@ func (w *commitWatch) run(ctx context.Context) {
 			}
 			conn = c
 			if last, err = read(); err != nil {
+				if ctx.Err() != nil {
+					return // the stop interrupted it: the deferred Destroy closes it, and the stop counts it
+				}
 				conn.Destroy()
 				conn = nil
 				continue
@@ -158,7 +160,7 @@ func (w *commitWatch) run(ctx context.Context) {
 		v, err := read()
 		if err != nil {
 			w.watching.Store(false)
-			if errors.Is(err, context.Canceled) && ctx.Err() != nil {
+			if ctx.Err() != nil {
 				return // the deferred Destroy closes it: the stop counts it
 			}
 			conn.Destroy()
