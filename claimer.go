@@ -21,6 +21,11 @@ type claimer struct {
 	dueAt    dueTimes     // when claims of this subscription come due again (delay.go)
 	passed   atomic.Int32 // delayed messages the last claim passed (passDelayed)
 	passRoom int          // delayed messages the next claim may pass besides its room (run only)
+	// parkFloor is where the next ordered claim reads the group's parked rows from
+	// (offsets.Store.ClaimOrderedFrom): at or below every parked row of the group, above the
+	// index entries of those handed out since the last vacuum. Each claim gives back the
+	// next one's; the first reads from the bottom (run only).
+	parkFloor int64
 
 	park   parking        // sleeping while there is nothing to claim (idlepark.go)
 	sqlite sqliteWatching // on SQLite: when an idle claim may be skipped (idlepark_sqlite.go)
@@ -35,6 +40,8 @@ func newClaimer(sub *subscription) *claimer {
 		sub:   sub,
 		ready: make(chan *delivery, sub.cfg.MaxInFlight+sub.work.prefetch),
 		park:  parking{duePoke: make(chan struct{}, 1)},
+
+		parkFloor: offsets.NoParkFloor,
 	}
 	return c
 }

@@ -41,6 +41,7 @@ type delivery struct {
 	cancel   context.CancelCauseFunc
 	gen      uint64 // advisory mode: generation of the lock connection that took its lock
 	key      string // its order key (MetadataOrderKey) as delivered, which the handler may change
+	after    int64  // where its ack looks for its key's next parked message (offsets.Claimed.After)
 	sub      *subscription
 
 	mu        sync.Mutex
@@ -374,7 +375,7 @@ func (sub *subscription) newDelivery(c offsets.Claimed, token int64, deadline ti
 	msg.Metadata.Set(MetadataOffset, strconv.FormatInt(c.Offset, 10))
 	ctx, cancel := context.WithCancelCause(sub.work.msgCtx)
 	d := &delivery{offset: c.Offset, token: token, attempts: c.Attempts, msg: msg, cancel: cancel,
-		deadline: deadline, sub: sub, state: stateQueued, key: msg.Metadata.Get(MetadataOrderKey)}
+		after: c.After, deadline: deadline, sub: sub, state: stateQueued, key: msg.Metadata.Get(MetadataOrderKey)}
 	msg.SetContext(context.WithValue(ctx, deliveryKey{}, d))
 	return d
 }

@@ -90,7 +90,11 @@ func (l *leaseMode) claim(buf []offsets.Claimed, n int, due offsets.Due) ([]offs
 			// Ordered claims always look at what is due: a parked message's key frees when
 			// another message of its key is settled, by any consumer.
 			var leased time.Time
-			claimed, leased, err = sub.store.ClaimOrdered(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, max(sub.claimer.passRoom, orderedPass), buf)
+			floor := sub.claimer.parkFloor
+			claimed, leased, err = sub.store.ClaimOrderedFrom(ctx, conn, sub.groupID, token, sub.cfg.LeaseTTL, n, sub.claimer.passRoom, &floor, buf)
+			if err == nil {
+				sub.claimer.parkFloor = floor // a failed claim leaves it as it was
+			}
 			if leased.After(sent) {
 				sent = leased
 			}
@@ -168,10 +172,6 @@ func (l *leaseMode) extendRows(fs []offsets.Fenced, wait time.Duration) (map[int
 	})
 	return done, at, err
 }
-
-// orderedPass is how many messages an ordered claim may pass besides its room: those it
-// parks behind their key, and delayed ones.
-const orderedPass = 1000
 
 // dropUnsure gives back claims whose rows arrived before their statement failed, which none
 // of them is handed out for: the connection may have been cut after the server committed

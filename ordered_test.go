@@ -479,12 +479,15 @@ func TestOrderByKey_ackInTxFreesTheKey(t *testing.T) {
 	topic := testdb.Topic(t, "")
 	pool := testdb.Pgx(t)
 	pub := newPublisher(t, pgxDB(t))
-	require.NoError(t, pub.Publish(topic, keyed("A1", "A"), keyed("A2", "A")))
 	const poll = 30 * time.Second
 	sub := newSubscriber(t, sqlbroker.SubscriberConfig{ConsumerGroup: "g", OrderByKey: true,
 		PollInterval: poll, IdlePollInterval: poll})
 	msgs, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
+	// Published once subscribed, so that the NOTIFY wakes the subscription: a claim that
+	// finds the messages still held back by another test's transaction (the xmin horizon)
+	// is then tried again within milliseconds, not at the next poll.
+	require.NoError(t, pub.Publish(topic, keyed("A1", "A"), keyed("A2", "A")))
 
 	first := receive(t, msgs, 10*time.Second)
 	require.Equal(t, "A1", string(first.Payload))

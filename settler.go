@@ -240,7 +240,7 @@ func (st *settler) apply(op settleOp, sts []settlement) []settlement {
 			continue
 		}
 		these = append(these, x)
-		fs = append(fs, offsets.Fenced{Offset: x.d.offset, Token: x.d.token})
+		fs = append(fs, offsets.Fenced{Offset: x.d.offset, Token: x.d.token, After: x.d.after})
 	}
 	if len(fs) == 0 {
 		return nil

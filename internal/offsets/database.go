@@ -33,8 +33,9 @@ type database interface {
 	heldBack(ctx context.Context, q dbx.Querier, groupID int32) (int, error)
 	// claimOrdered is claim for a group ordered by key, in a transaction of its own begun on
 	// b; nil, ErrOrderUnsupported where the database has none. It also returns when the
-	// transaction held the group's lock (see Store.ClaimOrdered).
-	claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error)
+	// transaction held the group's lock (see Store.ClaimOrdered), and reads and sets the
+	// floor of the group's parked tokens (see Store.ClaimOrderedFrom).
+	claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, floor *int64, out []Claimed) ([]Claimed, time.Time, error)
 
 	// Settlements: ack, nack, release and extend (d is the backoff or the lease), and the move
 	// of claims to another topic's messages table.

@@ -520,3 +520,62 @@ func sep(url string) string {
 	}
 	return "?"
 }
+
+// The bound an ordered ack starts its look for a key's next parked message at
+// (Claimed.After) is a hint: given one past that message (or none), the ack still applies,
+// and the message is handed over by it or, at worst, by the group's next ordered claim, in
+// order; and the bounds the claims and acks give lead each ack to the next message.
+func TestAckHandingOver_afterIsAHint(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tables, db := orderedTables(t, ctx, "postgres")
+	store := offsets.NewStore(tables, false)
+	rows := make([]offsets.Row, 4)
+	for i := range rows {
+		rows[i] = offsets.Row{UUID: fmt.Sprintf("A%d", i+1), Metadata: fmt.Sprintf(`{%q: "A"}`, offsets.MetaOrderKey)}
+	}
+	if err := store.Insert(ctx, db, rows, ""); err != nil {
+		t.Fatal(err)
+	}
+	gid, err := store.EnsureGroup(ctx, db, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cs []offsets.Claimed
+	testdb.Eventually(t, 30*time.Second, "the first claim", func() bool {
+		cs, _, err = store.ClaimOrdered(ctx, db, gid, 1, time.Minute, 10, 0, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(cs) > 0
+	})
+	if len(cs) != 1 || cs[0].UUID != "A1" {
+		t.Fatalf("first claim: %v, want A1 alone (the rest parked)", cs)
+	}
+	// The bounds as given: A1's ack hands A2 over, whose bound is its parked row's token.
+	done, handed, err := store.AckHandingOver(ctx, db, gid, offsets.Fence(cs, 1), 2, time.Minute, nil)
+	if err != nil || !done[cs[0].Offset] || len(handed) != 1 || handed[0].UUID != "A2" {
+		t.Fatalf("ack of A1: done %v, handed %v, %v; want A2 handed over", done, handed, err)
+	}
+	if handed[0].After >= 0 {
+		t.Fatalf("A2 handed over with bound %d, want its parked row's token (negative)", handed[0].After)
+	}
+	// A bound past A3's parked row: the ack applies and hands nothing over.
+	fs := offsets.Fence(handed, 2)
+	fs[0].After = -1
+	done, none, err := store.AckHandingOver(ctx, db, gid, fs, 3, time.Minute, nil)
+	if err != nil || !done[handed[0].Offset] || len(none) != 0 {
+		t.Fatalf("ack of A2 with a bound past A3: done %v, handed %v, %v; want applied, none handed over", done, none, err)
+	}
+	// The group's next claim takes A3, and A3's ack with no bound hands A4 over.
+	cs, _, err = store.ClaimOrdered(ctx, db, gid, 4, time.Minute, 10, 0, nil)
+	if err != nil || len(cs) != 1 || cs[0].UUID != "A3" {
+		t.Fatalf("claim after the ack of A2: %v, %v; want A3", cs, err)
+	}
+	fs = offsets.Fence(cs, 4)
+	fs[0].After = 0
+	done, handed, err = store.AckHandingOver(ctx, db, gid, fs, 5, time.Minute, nil)
+	if err != nil || !done[cs[0].Offset] || len(handed) != 1 || handed[0].UUID != "A4" {
+		t.Fatalf("ack of A3 without a bound: done %v, handed %v, %v; want A4 handed over", done, handed, err)
+	}
+}

@@ -29,6 +29,8 @@ type planNode struct {
 	ActualRows  float64    `json:"Actual Rows"`
 	ActualLoops float64    `json:"Actual Loops"`
 	Filtered    float64    `json:"Rows Removed by Filter"`
+	IndexCond   string     `json:"Index Cond"`
+	Subplan     string     `json:"Subplan Name"`       // "CTE name" for a CTE's node
 	HitBlocks   float64    `json:"Shared Hit Blocks"`  // with auto_explain.log_buffers
 	ReadBlocks  float64    `json:"Shared Read Blocks"` // with auto_explain.log_buffers
 	Plans       []planNode `json:"Plans"`
@@ -112,6 +114,31 @@ func widestOn(n planNode, table string) (planNode, float64) {
 		}
 	}
 	return best, most
+}
+
+// subtree returns the node of the plan whose Subplan Name is name ("CTE hdel"), if any.
+func subtree(n planNode, name string) (planNode, bool) {
+	if n.Subplan == name {
+		return n, true
+	}
+	for _, c := range n.Plans {
+		if s, ok := subtree(c, name); ok {
+			return s, true
+		}
+	}
+	return planNode{}, false
+}
+
+// indexScans returns the nodes of the plan that scan an index whose name ends with suffix.
+func indexScans(n planNode, suffix string) []planNode {
+	var out []planNode
+	if n.Index != "" && strings.HasSuffix(n.Index, suffix) {
+		out = append(out, n)
+	}
+	for _, c := range n.Plans {
+		out = append(out, indexScans(c, suffix)...)
+	}
+	return out
 }
 
 // mostReadOn is widestOn counting the rows a node read: those it produced and those its
@@ -371,17 +398,7 @@ func TestGivenBackClaimSkipsSettledClaims(t *testing.T) {
 	looks := []offsets.Due{offsets.DueGivenBack, offsets.DueRecent}
 
 	// A reader holding its snapshot: no version of a settled claim can be removed from here on.
-	holder, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer holder.Rollback(context.Background())
-	if _, err := holder.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := holder.Exec(ctx, "SELECT count(*) FROM "+tables.Claims); err != nil {
-		t.Fatal(err)
-	}
+	holdSnapshot(t, ctx, pool, tables.Claims)
 	for range settled {
 		token++
 		cs, err := store.Claim(ctx, db, gid, token, -time.Minute, batch, offsets.DueNone, nil)
@@ -624,7 +641,34 @@ func insertRows(t *testing.T, ctx context.Context, store *offsets.Store, db dbx.
 }
 
 // created through.
-func createTables(t *testing.T, ctx context.Context) (offsets.Tables, *pgxpool.Pool, *dbx.PgxPool) {
+// keyedRows makes n messages whose order keys go round keys keys ("k0", "k1", ...), each
+// with its index as its uuid.
+func keyedRows(n, keys int) []offsets.Row {
+	rows := make([]offsets.Row, n)
+	for i := range rows {
+		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: []byte("x"), Metadata: fmt.Sprintf(`{%q: "k%d"}`, offsets.MetaOrderKey, i%keys)}
+	}
+	return rows
+}
+
+// holdSnapshot opens a REPEATABLE READ transaction that has read table, held until the test
+// ends: no version written from now on can be removed meanwhile.
+func holdSnapshot(t *testing.T, ctx context.Context, pool *pgxpool.Pool, table string) {
+	t.Helper()
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = holder.Rollback(context.Background()) })
+	if _, err := holder.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, "SELECT count(*) FROM "+table); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func createTables(t testing.TB, ctx context.Context) (offsets.Tables, *pgxpool.Pool, *dbx.PgxPool) {
 	t.Helper()
 	tables := offsets.NewTables("", "sqlbroker_", testdb.Topic(t, ""))
 	pool := testdb.Pgx(t)
@@ -881,10 +925,7 @@ func TestAckHandingOverReadsTheFirstParkedOfEachKey(t *testing.T) {
 	tables, _, db := createTables(t, ctx)
 	store := offsets.NewStore(tables, false)
 	const keys, each, rounds = 8, 100, 21
-	rows := make([]offsets.Row, keys*each)
-	for i := range rows {
-		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: []byte("x"), Metadata: fmt.Sprintf(`{%q: "k%d"}`, offsets.MetaOrderKey, i%keys)}
-	}
+	rows := keyedRows(keys*each, keys)
 	insertRows(t, ctx, store, db, rows)
 	gid, err := store.EnsureGroup(ctx, db, "g", false)
 	if err != nil {
@@ -922,7 +963,283 @@ func TestAckHandingOverReadsTheFirstParkedOfEachKey(t *testing.T) {
 				t.Errorf("round %d: %s on %s%s read %.0f rows for %d keys with %d parked messages:\n%s",
 					round, node.NodeType, node.Relation, node.Index, most, keys, keys*(each-1-round), p.text)
 			}
+			// The look starts at the key's bound (offsets.Claimed.After): the index entries of
+			// the parked rows handed out before, which stay until a vacuum, lie below it.
+			parked := indexScans(p.root, "_c_park")
+			if len(parked) == 0 {
+				t.Errorf("round %d: no scan of the parked rows' index:\n%s", round, p.text)
+			}
+			for _, s := range parked {
+				if !strings.Contains(s.IndexCond, "token > ") {
+					t.Errorf("round %d: the look for a key's next parked message starts at the key's first entry (%s), not at its bound:\n%s", round, s.IndexCond, p.text)
+				}
+			}
 		}
 		held = offsets.Fence(handed, token)
+	}
+}
+
+// TestOrderedClaimReadsItsRoomWhenNoKeyIsBusy checks that an ordered claim of a group with no
+// parked message, whose next messages have keys that are neither busy nor repeated, reads about
+// its room's worth of new messages: not the hundreds it may pass when keys are busy, which it
+// would read and sort by key only to leave them for the next claim. With every message of a key
+// of its own, no scan of the messages' (xid, offset) index may produce more than a few times
+// the batch, over enough rounds that the generic plan is checked too; the messages read past
+// the room are left unclaimed, so each claim takes the next batch.
+func TestOrderedClaimReadsItsRoomWhenNoKeyIsBusy(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	tables, _, db := createTables(t, ctx)
+	store := offsets.NewStore(tables, false)
+	const n, batch, rounds = 3000, 10, 8
+	rows := make([]offsets.Row, n)
+	for i := range rows {
+		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: []byte("x"), Metadata: fmt.Sprintf(`{%q: "k%d"}`, offsets.MetaOrderKey, i)}
+	}
+	insertRows(t, ctx, store, db, rows)
+	gid, err := store.EnsureGroup(ctx, db, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, plans := explainedConn(t, ctx)
+	stem := tables.PartitionName(0)
+	stem = stem[:len(stem)-1]
+	var newRead func(n planNode) float64
+	newRead = func(n planNode) float64 {
+		read := 0.0
+		if strings.HasPrefix(n.Relation, stem) && strings.HasSuffix(n.Index, "_xid") {
+			read = (n.ActualRows + n.Filtered) * n.ActualLoops
+		}
+		for _, c := range n.Plans {
+			read += newRead(c)
+		}
+		return read
+	}
+	next := 0
+	for round := range rounds {
+		plans()
+		token := int64(1 + round)
+		cs, _, err := store.ClaimOrdered(ctx, connBeginner{conn}, gid, token, time.Hour, batch, 0, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range cs {
+			if c.UUID != fmt.Sprint(next) {
+				t.Fatalf("round %d: claimed %s, want %d (in order, none passed)", round, c.UUID, next)
+			}
+			next++
+		}
+		if len(cs) != batch {
+			t.Fatalf("round %d: claimed %d, want %d", round, len(cs), batch)
+		}
+		for _, p := range parsePlans(t, fmt.Sprintf("ordered claim, round %d", round), plans()) {
+			if read := newRead(p.root); read > 3*batch {
+				t.Errorf("round %d: read %.0f new messages for a room of %d:\n%s", round, read, batch, p.text)
+			}
+			// Nothing is due: the due step and the moves out of the rows due do not scan the
+			// claims table (whose range of the group holds the versions of the claims acked).
+			for _, step := range []string{"CTE d0", "CTE rdel", "CTE rupd"} {
+				sub, ok := subtree(p.root, step)
+				if !ok {
+					continue // the lock of the group's row
+				}
+				for _, s := range scansOf(sub, tables.Claims) {
+					if s.ActualLoops > 0 {
+						t.Errorf("round %d: %s ran a %s of the claims table with nothing due:\n%s", round, step, s.NodeType, p.text)
+					}
+				}
+			}
+		}
+		if _, err := store.Ack(ctx, db, gid, offsets.Fence(cs, token)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A key that comes twice in the room's worth lets the claim pass many: behind the first
+	// message of a run of one key, the rest of the run is parked by one claim.
+	if _, err := conn.Exec(ctx, "DELETE FROM "+tables.Messages+" WHERE \"offset\" > (SELECT \"last_offset\" FROM "+tables.Groups+")"); err != nil {
+		t.Fatal(err)
+	}
+	hot := make([]offsets.Row, 200)
+	for i := range hot {
+		hot[i] = offsets.Row{UUID: fmt.Sprint("hot", i), Payload: []byte("x"), Metadata: fmt.Sprintf(`{%q: "hot"}`, offsets.MetaOrderKey)}
+	}
+	insertRows(t, ctx, store, db, hot)
+	cs, _, err := store.ClaimOrdered(ctx, db, gid, 99, time.Hour, batch, 0, nil)
+	if err != nil || len(cs) != 1 || cs[0].UUID != "hot0" {
+		t.Fatalf("claim of a run of one key: %v, %v; want hot0", cs, err)
+	}
+	if got := testdb.Int(t, "SELECT count(*) FROM "+tables.Claims+" WHERE \"order_key\" IS NOT NULL"); got != int64(len(hot)-1) {
+		t.Errorf("one claim parked %d of the run's %d messages behind its first, want them all", got, len(hot)-1)
+	}
+	// With the key busy, a claim hands out no parked message, and its delete of the parked
+	// rows it hands out reads none.
+	for round := range 7 {
+		plans()
+		cs, _, err := store.ClaimOrdered(ctx, connBeginner{conn}, gid, int64(200+round), time.Hour, batch, 0, nil)
+		if err != nil || len(cs) != 0 {
+			t.Fatalf("claim %d with the only key busy: %v, %v", round, cs, err)
+		}
+		seen := false
+		for _, p := range parsePlans(t, fmt.Sprintf("claim with the key busy, round %d", round), plans()) {
+			hdel, ok := subtree(p.root, "CTE hdel")
+			if !ok {
+				continue // the lock of the group's row
+			}
+			seen = true
+			if node, most := mostReadOn(hdel, tables.Claims); most > 0 {
+				t.Errorf("round %d: the delete of the parked rows handed out read %.0f rows (%s %s) with none to delete:\n%s", round, most, node.NodeType, node.Index, p.text)
+			}
+		}
+		if !seen {
+			t.Fatalf("round %d: no plan of the claim has its step hdel", round)
+		}
+	}
+}
+
+// TestOrderedClaimReadsParkedRowsFromItsFloor checks that an ordered claim given a floor
+// (Store.ClaimOrderedFrom) reads the group's parked rows from there: while a snapshot holds
+// vacuum back, the parked rows handed out since it began leave their versions and index
+// entries below the live ones, and a claim from the bottom of the range reads them all, more
+// with every message handed out. The scan of the group's parked rows in step cl, from the
+// floor the claims before gave back, must read a small fraction of the blocks that the same
+// claim from NoParkFloor reads.
+func TestOrderedClaimReadsParkedRowsFromItsFloor(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	tables, pool, db := createTables(t, ctx)
+	store := offsets.NewStore(tables, false)
+	const keys, each = 8, 300
+	rows := keyedRows(keys*each, keys)
+	insertRows(t, ctx, store, db, rows)
+	gid, err := store.EnsureGroup(ctx, db, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A snapshot that keeps every version written from now on.
+	holdSnapshot(t, ctx, pool, tables.Groups)
+
+	conn, plans := explainedConn(t, ctx, "SET auto_explain.log_buffers = on")
+	floor := offsets.NoParkFloor
+	var held []offsets.Fenced
+	claim := func(token int64, from *int64) []offsets.Claimed {
+		t.Helper()
+		cs, _, err := store.ClaimOrderedFrom(ctx, connBeginner{conn}, gid, token, time.Hour, keys, 100, from, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cs
+	}
+	// Claims park the messages behind the first of each key; acks hand them over one by one,
+	// each taken out of its parked row.
+	held = offsets.Fence(claim(1, &floor), 1)
+	handed := 0
+	// Until few are left parked: the versions of those handed out outnumber the live ones.
+	for round := 0; handed < len(rows)-4*keys; round++ {
+		if round > 2*each {
+			t.Fatalf("after %d rounds, %d of %d handed over", round, handed, len(rows))
+		}
+		token := int64(2 + round)
+		// With every key busy, the claim parks what it passes.
+		held = append(held, offsets.Fence(claim(token, &floor), token)...)
+		_, next, err := store.AckHandingOver(ctx, db, gid, held, int64(10_000+round), time.Hour, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		handed += len(next)
+		held = offsets.Fence(next, int64(10_000+round))
+	}
+	if floor == offsets.NoParkFloor {
+		t.Fatal("the claims gave back no floor")
+	}
+	// The scan of cl that reads the parked rows: the range of the primary key up to the
+	// highest parked token.
+	blocksOfCl := func(raw []string) float64 {
+		b, seen := 0.0, false
+		for _, p := range parsePlans(t, "ordered claim", raw) {
+			if cl, ok := subtree(p.root, "CTE cl"); ok {
+				for _, s := range scansOf(cl, tables.Claims) {
+					if strings.Contains(s.IndexCond, "<= '-4611686018427387904'") {
+						b += s.HitBlocks + s.ReadBlocks
+						seen = true
+					}
+				}
+			}
+		}
+		if !seen {
+			t.Fatal("no scan of the parked rows' range in step cl")
+		}
+		return b
+	}
+	plans()
+	claim(900, &floor)
+	fromFloor := blocksOfCl(plans())
+	bottom := offsets.NoParkFloor
+	claim(901, &bottom)
+	fromBottom := blocksOfCl(plans())
+	t.Logf("the group's parked rows read %.0f blocks from the floor, %.0f from the bottom, after %d messages handed over", fromFloor, fromBottom, handed)
+	if fromBottom < 20 {
+		t.Fatalf("from the bottom the claim read %.0f blocks: the held snapshot kept too little for the test", fromBottom)
+	}
+	if fromFloor*4 > fromBottom {
+		t.Errorf("from its floor the claim read %.0f blocks of the group's parked rows, from the bottom %.0f: the floor saves too little", fromFloor, fromBottom)
+	}
+
+	// Once every parked message is handed out, the group's next parked rows follow the
+	// highest token it ever gave (parked_top), not the bottom of the range: the floor the
+	// last claim gave back stays below them.
+	for range 4 * each {
+		_, next, err := store.AckHandingOver(ctx, db, gid, held, 20_000, time.Hour, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = offsets.Fence(next, 20_000)
+		cs := claim(20_001, &floor)
+		held = append(held, offsets.Fence(cs, 20_001)...)
+		if len(held) == 0 {
+			break
+		}
+	}
+	if n := testdb.Int(t, `SELECT count(*) FROM `+tables.Claims); n != 0 {
+		t.Fatalf("%d claims rows left after the backlog was handed out", n)
+	}
+	top := testdb.Int(t, `SELECT "parked_top" FROM `+tables.Groups+` WHERE "group_id" = `+fmt.Sprint(gid))
+	if floor > top {
+		t.Fatalf("the floor given back, %d, is above the group's highest parked token %d", floor, top)
+	}
+	insertRows(t, ctx, store, db, rows[:4*keys])
+	held = offsets.Fence(claim(20_002, &floor), 20_002)
+	if len(held) != keys {
+		t.Fatalf("the claim after the backlog took %d messages, want one of each of %d keys", len(held), keys)
+	}
+	claim(20_003, &floor) // every key busy: parks the rest
+	if low := testdb.Int(t, `SELECT min("token") FROM `+tables.Claims+` WHERE "order_key" IS NOT NULL`); low <= top {
+		t.Errorf("a parked row after the group had none took token %d, at or below the highest one before, %d", low, top)
+	}
+	if floor > top+1 {
+		t.Errorf("the floor given back, %d, is above the group's parked rows (from %d)", floor, top+1)
+	}
+	_, next, err := store.AckHandingOver(ctx, db, gid, held, 20_004, time.Hour, nil)
+	if err != nil || len(next) != keys {
+		t.Fatalf("the ack handed over %d messages (%v), want the next of each of %d keys", len(next), err, keys)
+	}
+}
+
+// TestSchemaAddsParkedTop checks that groups tables of this schema version made before the
+// column parked_top are refused by Check with an error that names it, and that Create adds it.
+func TestSchemaAddsParkedTop(t *testing.T) {
+	ctx := context.Background()
+	tables, pool, db := createTables(t, ctx)
+	if _, err := pool.Exec(ctx, `ALTER TABLE `+tables.Groups+` DROP COLUMN "parked_top"`); err != nil {
+		t.Fatal(err)
+	}
+	err := tables.Check(ctx, db)
+	if err == nil || !strings.Contains(err.Error(), "parked_top") || !strings.Contains(err.Error(), "InitializeSchema") {
+		t.Fatalf("Check without parked_top: %v", err)
+	}
+	if err := tables.Create(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if err := tables.Check(ctx, db); err != nil {
+		t.Fatalf("Check after Create: %v", err)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"maps"
+	"math"
 	"strconv"
 	"strings"
 	"time"
@@ -219,18 +220,21 @@ func (s postgres) claim(ctx context.Context, q dbx.Querier, groupID int32, token
 	return scanClaimed(rows, out)
 }
 
-func (s postgres) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error) {
+func (s postgres) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, floor *int64, out []Claimed) ([]Claimed, time.Time, error) {
 	n := len(out)
 	began := time.Now() // before the transaction's start, which its statement counts from
+	from, next := *floor, *floor
 	err := dbx.LockedQuery(ctx, b, s.lockGroupSQL, []any{groupID},
-		s.claimOrderedSQL, []any{groupID, token, ms(ttl), limit, pass, MaxParked}, func(rows dbx.Rows) error {
+		s.claimOrderedSQL, []any{groupID, token, ms(ttl), limit, pass, MaxParked, max(pass, parkPass), from}, func(rows dbx.Rows) error {
 			var err error
-			out, err = scanClaimed(rows, out[:n])
+			next = from
+			out, err = scanClaimedLines(rows, out[:n], &next)
 			return err
 		})
 	if err != nil {
 		return out[:n], time.Time{}, err
 	}
+	*floor = next
 	var leased time.Time // zero while no claim was made
 	for _, c := range out[n:] {
 		if c.Delayed.IsZero() {
@@ -260,6 +264,19 @@ func split(fs []Fenced) ([]int64, []int64) {
 		offs[i], toks[i] = f.Offset, f.Token
 	}
 	return offs, toks
+}
+
+// afterBounds is the After of each of fs, in order, for ackHandingOverSQL's $6: where unknown
+// (0), the lowest bigint, below every token.
+func afterBounds(fs []Fenced) []int64 {
+	out := make([]int64, len(fs))
+	for i, f := range fs {
+		out[i] = f.After
+		if f.After == 0 {
+			out[i] = math.MinInt64
+		}
+	}
+	return out
 }
 
 // ErrSettleRaced says that some claims of a settlement met concurrent changes of their rows
@@ -327,7 +344,11 @@ func (s postgres) settleHanding(ctx context.Context, q dbx.Querier, sql string, 
 // ackHandingOverSQL's, and the messages it handed over are appended to *handed.
 func (s postgres) settleOnce(ctx context.Context, q dbx.Querier, sql string, groupID int32, fs []Fenced, done map[int64]bool, handed *[]Claimed, args []any) ([]Fenced, error) {
 	offs, toks := split(fs)
-	rows, err := dbx.QueryWrite(ctx, q, sql, append([]any{groupID, offs, toks}, args...)...)
+	params := append([]any{groupID, offs, toks}, args...)
+	if handed != nil {
+		params = append(params, afterBounds(fs))
+	}
+	rows, err := dbx.QueryWrite(ctx, q, sql, params...)
 	if err != nil {
 		return nil, err
 	}
@@ -339,7 +360,7 @@ func (s postgres) settleOnce(ctx context.Context, q dbx.Querier, sql string, gro
 		if handed != nil {
 			var kind int
 			var c Claimed
-			if err := rows.Scan(&kind, &off, &ok, &c.UUID, &c.Payload, &c.Metadata); err != nil {
+			if err := rows.Scan(&kind, &off, &ok, &c.UUID, &c.Payload, &c.Metadata, &c.After); err != nil {
 				return nil, err
 			}
 			if kind == 1 {
@@ -464,6 +485,10 @@ func (postgres) backendAlive(ctx context.Context, q dbx.Querier, pid uint32) (bo
 	return alive, err
 }
 
+// pgNoParkedTop is the VersionError.Found of PostgreSQL tables of this schema version whose
+// groups table lacks parked_top (made before ordered claims kept a floor): SchemaSQL adds it.
+var pgNoParkedTop = fmt.Sprintf("%s%d without parked_top", schemaCommentPrefix, SchemaVersion)
+
 // schemaSQL: tables of schema versions 1 to 4 are upgraded in place (see upgradableVersions).
 func (postgres) schemaSQL(t Tables) string {
 	var b strings.Builder
@@ -475,15 +500,20 @@ func (postgres) schemaSQL(t Tables) string {
 	"last_offset"    bigint      NOT NULL,
 	"updated_at"     timestamptz NOT NULL DEFAULT now(),
 	"floor_offset"   bigint      NOT NULL DEFAULT 0,
+	"parked_top"     bigint,
 	CONSTRAINT %s PRIMARY KEY ("group_id"),
 	CONSTRAINT %s UNIQUE ("consumer_group")
 );
 `, t.Groups, t.seq("_g_seq"), t.obj("_g_pkey"), t.obj("_g_name"))
-	// Groups tables of versions 1 to 3 lack floor_offset: the catalog is read first, as for
-	// deliver_at (a constant default changes only the catalog).
+	// Groups tables of versions 1 to 3 lack floor_offset, and those of version 5 made before
+	// order by key kept a floor lack parked_top: the catalog is read first, as for deliver_at
+	// (a constant default, or none, changes only the catalog).
 	body := fmt.Sprintf(` BEGIN
 	IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = %[1]s::regclass AND attname = 'floor_offset' AND NOT attisdropped) THEN
 		ALTER TABLE %[2]s ADD COLUMN IF NOT EXISTS "floor_offset" bigint NOT NULL DEFAULT 0;
+	END IF;
+	IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = %[1]s::regclass AND attname = 'parked_top' AND NOT attisdropped) THEN
+		ALTER TABLE %[2]s ADD COLUMN IF NOT EXISTS "parked_top" bigint;
 	END IF;
 END `, quoteLiteral(t.Groups), t.Groups)
 	tag := dollarTag(body)
@@ -571,7 +601,7 @@ func (db postgres) createIn(ctx context.Context, t Tables, tx dbx.Querier) error
 }
 
 func (postgres) check(ctx context.Context, t Tables, q dbx.Querier, missingOK bool) error {
-	var m, g, c bool
+	var m, g, c, top bool
 	var comment string
 	// to_regclass resolves a name in the latest catalog, while obj_description reads through
 	// the statement's snapshot: a table created by a transaction that committed in between
@@ -580,8 +610,9 @@ func (postgres) check(ctx context.Context, t Tables, q dbx.Querier, missingOK bo
 	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($1)),
 	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($2)),
 	EXISTS (SELECT 1 FROM pg_catalog.pg_class WHERE oid = to_regclass($3)),
-	coalesce(obj_description(to_regclass($1), 'pg_class'), '')`,
-		[]any{t.Messages, t.Groups, t.Claims}, &m, &g, &c, &comment)
+	coalesce(obj_description(to_regclass($1), 'pg_class'), ''),
+	EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = to_regclass($2) AND attname = 'parked_top' AND NOT attisdropped)`,
+		[]any{t.Messages, t.Groups, t.Claims}, &m, &g, &c, &comment, &top)
 	if err != nil {
 		return err
 	}
@@ -600,6 +631,9 @@ func (postgres) check(ctx context.Context, t Tables, q dbx.Querier, missingOK bo
 		if n, err := strconv.Atoi(v); !ok || err != nil || n != SchemaVersion {
 			return &VersionError{Topic: t.Topic, Table: t.Messages, Found: comment, Want: SchemaVersion}
 		}
+	}
+	if m && g && !top {
+		return &VersionError{Topic: t.Topic, Table: t.Groups, Found: pgNoParkedTop, Want: SchemaVersion}
 	}
 	return nil
 }

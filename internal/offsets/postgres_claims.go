@@ -25,15 +25,30 @@ import "fmt"
 const unheldTokenSQL = `(-1 - floor(random() * 4611686018427387903))::bigint`
 
 // parkedTokenSQL makes the tokens of the parked rows that the ordered claim writes (m, its
-// new messages of class 'p'): they lie below unheldTokenSQL's range (at most -2^62), one after
-// the group's latest parked row's, in the order the group's position passes the messages, so
-// that a key's first parked message is its parked row of lowest token, found without reading
-// the messages. The group's ordered claims run one after another (lockGroupRowSQL), so the
-// tokens of one group are distinct. Reaching the random range would take 2^62 messages parked
-// while the group always had one parked.
-const parkedTokenSQL = `(SELECT coalesce(max(cl."token"), -9223372036854775808) FROM cl
-		WHERE cl."order_key" IS NOT NULL AND cl."token" <= ` + parkedTokenMax + `)
+// new messages of class 'p'): they lie below unheldTokenSQL's range (at most -2^62), after
+// the group's latest parked row's and after every parked token the group ever had (the
+// groups row's parked_top, which the claim that writes them moves up: parkedTopSQL), in the
+// order the group's position passes the messages, so that a key's first parked message is its
+// parked row of lowest token, found without reading the messages. The group's ordered claims
+// run one after another (lockGroupRowSQL), so the tokens of one group are distinct and only
+// grow: a group whose parked messages were all handed out does not start again at the bottom
+// of the range, among the index entries of the rows handed out since the last vacuum, and no
+// parked row is ever written below a floor a claim gave back (Store.ClaimOrderedFrom).
+// Reaching the random range would take 2^62 messages parked.
+const parkedTokenSQL = parkedBaseSQL + `
 	+ row_number() OVER (ORDER BY m."xid", m."offset")`
+
+// noParkFloorSQL is NoParkFloor, the lowest bigint, in SQL: below every token.
+const noParkFloorSQL = `-9223372036854775808`
+
+// parkedBaseSQL is the token the parked rows of a claim follow (parkedTokenSQL).
+const parkedBaseSQL = `greatest(coalesce((SELECT pk.top FROM pk), ` + noParkFloorSQL + `), coalesce((SELECT g."parked_top" FROM g), ` + noParkFloorSQL + `))`
+
+// parkedTopSQL is the groups row's parked_top once the claim wrote its parked rows: the
+// highest token it gave one, or as it was when it parked none.
+const parkedTopSQL = `CASE WHEN EXISTS (SELECT 1 FROM m WHERE m.cls = 'p')
+		THEN ` + parkedBaseSQL + ` + (SELECT count(*) FROM m WHERE m.cls = 'p')
+		ELSE "parked_top" END`
 
 // mergeOffsetsSQL is the ON CONFLICT step of the inserts of held rows: a claim and a takeover
 // of one round of the advisory mode may write the same token and attempt count.
@@ -134,7 +149,9 @@ func dueTailSQL(limit string) string {
 // and the snapshot sees: sameVersionSQL), a TID scan: joined to mv by their key instead, the
 // planner, which expects a row or two of the group, read every entry of the group's range of
 // the key, with the dead versions a held snapshot keeps, at every claim that looked at the
-// claims due again. claims is a placeholder of the caller's format.
+// claims due again. Each runs only when it has a row to change: the planner may read a small
+// claims table whole rather than by address, and most claims take nothing back. claims is a
+// placeholder of the caller's format.
 func moveOutSQL(claims string) string {
 	return `mv AS (
 	SELECT r."token", r."attempts" - 1 AS "attempts", array_agg(r."offset") AS gone FROM r GROUP BY r."token", r."attempts"
@@ -142,11 +159,13 @@ func moveOutSQL(claims string) string {
 	SELECT d1.r, d1."offsets", mv.gone, cardinality(d1."offsets") = cardinality(mv.gone) AS whole
 	FROM mv JOIN d1 ON d1."token" = mv."token" AND d1."attempts" = mv."attempts"
 ), rdel AS (
-	DELETE FROM ` + claims + ` c WHERE c.ctid = ANY (ARRAY(SELECT mvr.r FROM mvr WHERE mvr.whole))
+	DELETE FROM ` + claims + ` c WHERE EXISTS (SELECT 1 FROM mvr WHERE mvr.whole)
+	  AND c.ctid = ANY (ARRAY(SELECT mvr.r FROM mvr WHERE mvr.whole))
 ), rupd AS (
 	UPDATE ` + claims + ` c SET "offsets" = ARRAY(SELECT o FROM unnest(mvr."offsets") o WHERE o <> ALL (mvr.gone))
 	FROM mvr
-	WHERE c.ctid = ANY (ARRAY(SELECT mvr.r FROM mvr WHERE NOT mvr.whole)) AND c.ctid = mvr.r
+	WHERE EXISTS (SELECT 1 FROM mvr WHERE NOT mvr.whole)
+	  AND c.ctid = ANY (ARRAY(SELECT mvr.r FROM mvr WHERE NOT mvr.whole)) AND c.ctid = mvr.r
 )`
 }
 
@@ -388,29 +407,30 @@ const claimsParkedIndexSQL = `CREATE INDEX IF NOT EXISTS %s ON %s ("group_id", "
 func ackHandingOverSQL(t Tables, with, cond string) string {
 	// The steps are formatted already: never a format (a name may hold a %).
 	return settleStepsSQL(t, with, cond, settleAck, "") + fmt.Sprintf(`, ak AS (
-	SELECT DISTINCT `+orderKeySQL+` AS k
-	FROM done, `+byOffsetSQL("m", "done.o")+`
+	SELECT `+orderKeySQL+` AS k, min(af.b) AS b
+	FROM done JOIN unnest($2::bigint[], $6::bigint[]) AS af(o, b) ON af.o = done.o, `+byOffsetSQL("m", "done.o")+`
 	WHERE m."metadata" ? '`+MetaOrderKey+`'
+	GROUP BY 1
 ), nx AS (
 	SELECT p.r, p.o FROM ak, LATERAL (
 		SELECT c.ctid AS r, c."offsets"[1] AS o FROM %[1]s c
-		WHERE c."group_id" = $1 AND c."order_key" = ak.k AND c."token" <= `+parkedTokenMax+`
+		WHERE c."group_id" = $1 AND c."order_key" = ak.k AND c."token" > ak.b AND c."token" <= `+parkedTokenMax+`
 		ORDER BY c."token" LIMIT 1
 	) p
 ), nd AS (
 	DELETE FROM %[1]s c
 	WHERE c.ctid = ANY (ARRAY(
 		SELECT nx.r FROM nx, `+byOffsetSQL("m", "nx.o")+` WHERE (m."deliver_at" > now()) IS NOT TRUE))
-	RETURNING c."offsets"[1] AS o
+	RETURNING c."offsets"[1] AS o, c."token" AS t
 ), nins AS (
 	INSERT INTO %[1]s AS c ("group_id", "token", "attempts", "visible_at", "offsets")
 	SELECT $1, $4::bigint, 1, clock_timestamp() + $5::float8 * interval '1 millisecond', array_agg(nd.o ORDER BY nd.o)
 	FROM nd HAVING count(*) > 0
 	`+mergeOffsetsSQL+`
 )
-SELECT 0, x.o, EXISTS (SELECT 1 FROM done WHERE done.o = x.o), '', ''::bytea, '' FROM hit, unnest(hit.gone) x(o)
+SELECT 0, x.o, EXISTS (SELECT 1 FROM done WHERE done.o = x.o), '', ''::bytea, '', 0::bigint FROM hit, unnest(hit.gone) x(o)
 UNION ALL
-SELECT 1, m."offset", true, m."uuid", m."payload", m."metadata"::text FROM nd, `+byOffsetSQL("m", "nd.o")+``, t.Claims, t.Messages)
+SELECT 1, m."offset", true, m."uuid", m."payload", m."metadata"::text, nd.t FROM nd, `+byOffsetSQL("m", "nd.o")+``, t.Claims, t.Messages)
 }
 
 // settleNames name the settlements in their statements' text.
@@ -481,18 +501,27 @@ const orderKeySQL = `CASE WHEN m."metadata" ? '` + MetaOrderKey + `' THEN hashte
 // due again, or delayed. The others wait in parked rows, one per message ("order_key" set,
 // visible_at 'infinity', no holder), which the group's position passes as it passes delayed
 // messages:
-//   - cl, busy: the group's rows, and the keys of its unsettled messages that are not parked
-//     (their metadata read by offset);
+//   - cl, pk, busy: the group's rows; how many of them are parked, and the highest parked
+//     token (read by the cap on parked rows, the choice of what m0 may pass, the new parked
+//     rows' tokens and the bound of the messages claimed new); the keys of its unsettled
+//     messages that are not parked (their metadata read by offset);
 //   - due (as in claimSQL): offsets due again, which are first of their key by the above;
 //   - h: parked messages first of their key (in the group's order: the lowest token of the
 //     key's parked rows, parkedTokenSQL) whose key is not busy, up to the room the due ones
 //     left, taken in the group's order; those whose time has not come (delayed) become a row
 //     due at their time instead of being handed out. Only the messages of these few rows are
-//     read, and their rows are deleted by their primary key;
-//   - m0, m1, m: new messages, up to the room left plus $5 passed: a message with a key is
-//     parked when its key is busy, has parked messages, or came earlier in this claim; up to
-//     $6 parked rows, no new message is read, so that the parked ones, which every claim
-//     reads, stay few;
+//     read, and their rows are deleted by their primary key (hdel), a step that does not run
+//     when there are none: its generic plan reads the group's range of the key, every parked
+//     row, and most claims hand out none;
+//   - m0, m1, m: new messages, up to the room left plus those it may pass: a message with a
+//     key is parked when its key is busy, has parked messages, or came earlier in this claim;
+//     up to $6 parked rows, no new message is read, so that the parked ones, which every
+//     claim reads, stay few. m0 reads as many messages as it may pass, whether it passes
+//     them or not, and sorts them by key: it passes up to $7 when the group has parked
+//     messages or, among the first room's worth of new messages (ahead, their keys only), a
+//     key is busy or comes twice; otherwise its keys are seldom busy, and it passes only $5
+//     (the delayed messages its caller allows). With many keys, a claim that read $7 more
+//     messages to keep its room's worth spent most of its time reading them;
 //   - the rows written as in claimSQL, and the parked ones.
 //
 // The leases it writes count from lt, a time taken once the statement runs, after the group's
@@ -501,18 +530,26 @@ const orderKeySQL = `CASE WHEN m."metadata" ? '` + MetaOrderKey + `' THEN hashte
 // sent the statement), and, adding those milliseconds, a time before the leases began: its
 // deadlines never outlive them, and the wait for the group's lock does not shorten them.
 //
-// $1 group, $2 token, $3 the lease in ms, $4 the room, $5 the delayed or parked messages it may
-// pass, $6 the most parked messages the group keeps.
+// $1 group, $2 token, $3 the lease in ms, $4 the room, $5 the delayed messages it may pass
+// while the group has no parked message, $6 the most parked messages the group keeps, $7 the
+// delayed or parked messages it may pass while the group has some.
 func orderedClaimSQL(t Tables, with, cond string) string {
 	return fmt.Sprintf(`%[4]slt AS MATERIALIZED (
 	SELECT clock_timestamp() AS "at"
 ), cl AS MATERIALIZED (
-	SELECT c."token", c."attempts", c."offsets", c."order_key" FROM %[3]s c WHERE c."group_id" = $1
+	SELECT c."token", c."attempts", c."offsets", c."order_key", c."visible_at" FROM %[3]s c
+	WHERE c."group_id" = $1 AND c."token" > `+parkedTokenMax+`
+	UNION ALL
+	SELECT c."token", c."attempts", c."offsets", c."order_key", c."visible_at" FROM %[3]s c
+	WHERE c."group_id" = $1 AND c."token" >= $8::bigint AND c."token" <= `+parkedTokenMax+`
+), pk AS MATERIALIZED (
+	SELECT count(*) AS n, max(cl."token") FILTER (WHERE cl."token" <= `+parkedTokenMax+`) AS top
+	FROM cl WHERE cl."order_key" IS NOT NULL
 ), busy AS MATERIALIZED (
 	SELECT DISTINCT `+orderKeySQL+` AS k
 	FROM cl, unnest(cl."offsets") x(o), `+byOffsetSQL("m", "x.o")+`
 	WHERE cl."order_key" IS NULL AND m."metadata" ? '`+MetaOrderKey+`'
-), `+dueStepSQL("%[3]s", ` AND c."order_key" IS NULL`, "%[5]s", "$4")+`, h0 AS (
+), `+dueStepSQL("%[3]s", ` AND c."order_key" IS NULL`+orderedDueSQL, "%[5]s", "$4")+`, h0 AS (
 	SELECT DISTINCT ON (cl."order_key") cl."token", cl."offsets"[1] AS o, cl."order_key" AS k
 	FROM cl
 	WHERE cl."order_key" IS NOT NULL AND cl."order_key" NOT IN (SELECT k FROM busy)
@@ -523,22 +560,31 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 	ORDER BY m."xid", h0.o LIMIT greatest($4 - (SELECT count(*) FROM due), 0)
 ), hdel AS (
 	DELETE FROM %[3]s c
-	WHERE c."group_id" = $1 AND c."token" = ANY (ARRAY(SELECT h."token" FROM h)) AND c."attempts" = 0
+	WHERE EXISTS (SELECT 1 FROM h)
+	  AND c."group_id" = $1 AND c."token" >= $8::bigint AND c."token" = ANY (ARRAY(SELECT h."token" FROM h)) AND c."attempts" = 0
 ), room AS (
 	SELECT $4 - (SELECT count(*) FROM due) - (SELECT count(*) FROM h WHERE h.later IS NULL) AS n
 ), g AS (
-	SELECT gr."last_xid", gr."last_offset", gr."floor_offset" FROM %[1]s gr
+	SELECT gr."last_xid", gr."last_offset", gr."floor_offset", gr."parked_top" FROM %[1]s gr
 	WHERE gr."group_id" = $1 AND (SELECT n FROM room) > 0
-	  AND (SELECT count(*) FROM cl WHERE cl."order_key" IS NOT NULL) < $6
+	  AND (SELECT pk.n FROM pk) < $6
 	FOR UPDATE
+), ahead AS MATERIALIZED (
+	SELECT `+orderKeySQL+` AS k
+	FROM %[2]s m
+	WHERE `+newAfterGroupSQL+`
+	ORDER BY m."xid", m."offset"
+	LIMIT (SELECT n FROM room)
 ), m0 AS (
 	SELECT m."offset", m."xid", m."uuid", m."payload", m."metadata", `+delayedSQL+` AS "later", `+orderKeySQL+` AS k
 	FROM %[2]s m
-	WHERE (m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
-	  AND m."offset" >= (SELECT "floor_offset" FROM g)
-	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())
+	WHERE `+newAfterGroupSQL+`
 	ORDER BY m."xid", m."offset"
-	LIMIT (SELECT n FROM room) + $5
+	LIMIT (SELECT n FROM room) + CASE
+		WHEN (SELECT pk.n FROM pk) > 0
+		  OR EXISTS (SELECT 1 FROM ahead WHERE ahead.k IN (SELECT k FROM busy))
+		  OR (SELECT count(ahead.k) > count(DISTINCT ahead.k) FROM ahead) THEN $7::bigint
+		ELSE $5::bigint END
 ), m1 AS (
 	SELECT m0.*, CASE
 		WHEN m0.k IS NOT NULL AND (m0.k IN (SELECT k FROM busy) OR m0.k IN (SELECT cl."order_key" FROM cl WHERE cl."order_key" IS NOT NULL)
@@ -569,26 +615,43 @@ func orderedClaimSQL(t Tables, with, cond string) string {
 	UNION ALL
 	SELECT $1, `+parkedTokenSQL+`, 0, 'infinity', ARRAY[m."offset"], m.k FROM m WHERE m.cls = 'p'
 ), upd AS (
-	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
+	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now(), "parked_top" = `+parkedTopSQL+`
 	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
 	WHERE "group_id" = $1
 ), ls AS (
 	SELECT extract(epoch FROM lt."at" - now())::float8 * 1000 AS s FROM lt
 )
-SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts", x.kind, x.at FROM (
-	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS kind, 0::bigint AS o1, r."offset" AS o2, (SELECT s FROM ls) AS at
+SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts", x.kind, x.at, x.after FROM (
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", r."attempts", 0 AS kind, 0::bigint AS o1, r."offset" AS o2, (SELECT s FROM ls) AS at, 0::bigint AS after
 	FROM r, `+byOffsetSQL("msg", `r."offset"`)+`
 	UNION ALL
-	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", 1, 1, 0, h.o, (SELECT s FROM ls)
+	SELECT msg."offset", msg."uuid", msg."payload", msg."metadata", 1, 1, 0, h.o, (SELECT s FROM ls), h."token"
 	FROM h, `+byOffsetSQL("msg", "h.o")+` WHERE h.later IS NULL
 	UNION ALL
-	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, 1, row_number() OVER (ORDER BY m."xid", m."offset"), (SELECT s FROM ls)
+	SELECT m."offset", m."uuid", m."payload", m."metadata", 1, 1, 1, row_number() OVER (ORDER BY m."xid", m."offset"), (SELECT s FROM ls), coalesce((SELECT pk.top FROM pk), 0)
 	FROM m WHERE m.cls = 'c'
 	UNION ALL
-	SELECT x.o, '', ''::bytea, '{}'::jsonb, 0, 2, 0, x.o, extract(epoch FROM x.later)::float8 * 1000
+	SELECT x.o, '', ''::bytea, '{}'::jsonb, 0, 2, 0, x.o, extract(epoch FROM x.later)::float8 * 1000, 0
 	FROM (SELECT h.o, h.later FROM h WHERE h.later IS NOT NULL UNION ALL SELECT m."offset", m."later" FROM m WHERE m.cls = 'd') x
+	UNION ALL
+	SELECT 0, '', ''::bytea, '{}'::jsonb, 0, 3, 0, 0, 0, CASE WHEN gt.top IS NULL THEN `+noParkFloorSQL+`
+		ELSE coalesce((SELECT min(cl."token") FROM cl WHERE cl."token" <= `+parkedTokenMax+`), gt.top) END
+	FROM (SELECT gr."parked_top" AS top FROM %[1]s gr WHERE gr."group_id" = $1) gt
 ) x ORDER BY x.kind, x.o1, x.o2`, t.Groups, t.Messages, t.Claims, with, cond)
 }
+
+// orderedDueSQL is the ordered claim's condition on its due step: that cl, the group's rows as
+// the statement sees them, has a row due. The step reads the group's rows again, locking them,
+// and its cost, like cl's, grows with the versions of the group's rows a vacuum has not yet
+// removed; in a drain no row is due, and the step is left out.
+const orderedDueSQL = `
+	  AND EXISTS (SELECT 1 FROM cl WHERE cl."order_key" IS NULL AND cl."visible_at" <= now())`
+
+// newAfterGroupSQL is the condition of the ordered claim's reads of new messages (ahead, m0):
+// after the group's position (g), and written by transactions older than every running one.
+const newAfterGroupSQL = `(m."xid", m."offset") > ((SELECT "last_xid" FROM g), (SELECT "last_offset" FROM g))
+	  AND m."offset" >= (SELECT "floor_offset" FROM g)
+	  AND m."xid" < pg_snapshot_xmin(pg_current_snapshot())`
 
 // lockGroupRowSQL locks group $1's row until the transaction ends (see orderedClaimSQL).
 const lockGroupRowSQL = `SELECT 1 FROM %s WHERE "group_id" = $1 FOR UPDATE`

@@ -36,6 +36,9 @@ func (e *VersionError) Error() string {
 	if e.Found == sqliteNoDeliverAt {
 		return fmt.Sprintf("topic %q: table %s carries schema version v%d without its deliver_at column (delayed messages), which this library needs: set InitializeSchema: true, which adds the column in place", e.Topic, e.Table, e.Want)
 	}
+	if e.Found == pgNoParkedTop {
+		return fmt.Sprintf("topic %q: table %s lacks its parked_top column (order by key), which this library needs: set InitializeSchema: true, which adds the column in place, or run the SQL of sqlbroker.SchemaSQL(%q, ...) in a migration", e.Topic, e.Table, e.Topic)
+	}
 	if e.Found == sqliteNoOrderKey {
 		return fmt.Sprintf("topic %q: table %s lacks its order_key column (order by key), which this library needs: set InitializeSchema: true, which adds the column in place", e.Topic, e.Table)
 	}
@@ -81,7 +84,7 @@ func (t Tables) Check(ctx context.Context, q dbx.Querier) error {
 // isUpgradable reports whether err is a VersionError for tables that SchemaSQL upgrades.
 func isUpgradable(err error) bool {
 	var v *VersionError
-	return errors.As(err, &v) && (upgradable(v.Found) || v.Found == sqliteNoDeliverAt || v.Found == sqliteNoOrderKey)
+	return errors.As(err, &v) && (upgradable(v.Found) || v.Found == sqliteNoDeliverAt || v.Found == sqliteNoOrderKey || v.Found == pgNoParkedTop)
 }
 
 // upgradable reports whether found is the comment of PostgreSQL tables that SchemaSQL upgrades.

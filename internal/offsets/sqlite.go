@@ -628,7 +628,8 @@ FROM (
 // look found nothing for. SQLite's one writer runs the write transactions of every claim of
 // the group, in every process, one after another: each sees every claim made before it, which
 // PostgreSQL gets by locking the group's row.
-func (s sqlite) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error) {
+func (s sqlite) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, floor *int64, out []Claimed) ([]Claimed, time.Time, error) {
+	*floor = NoParkFloor // one writer, no snapshot held: nothing to read past
 	waiting, due, free := int64(1), int64(1), int64(1)
 	var locked time.Time // zero while no claim was made
 	if q, ok := b.(dbx.Querier); ok {
@@ -726,7 +727,9 @@ func (s sqlite) claimOrderedIn(ctx context.Context, tx dbx.Querier, groupID int3
 // claimNewOrdered is the last step of claimOrderedIn: new messages.
 func (s sqlite) claimNewOrdered(ctx context.Context, tx dbx.Querier, groupID int32, token, lease, now, pos int64, room, pass int, out []Claimed) ([]Claimed, error) {
 	path := jsonPath(MetaOrderKey)
-	rows, err := tx.Query(ctx, s.ordReadSQL, now, pos, room+pass, groupID, path)
+	// The rows are read one by one and no more than the room needs: passing up to parkPass
+	// costs only the messages parked.
+	rows, err := tx.Query(ctx, s.ordReadSQL, now, pos, room+max(pass, parkPass), groupID, path)
 	if err != nil {
 		return out, err
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"time"
@@ -49,6 +50,14 @@ type Claimed struct {
 	// claims due again to take. Nothing but Offset is set.
 	Delayed time.Time
 
+	// After is, for a message of a group ordered by key claimed on PostgreSQL, a token below
+	// that of every parked row of its key (parkedTokenSQL) that may hold the key's next
+	// message: AckHandingOver starts its look for that row there (see ackHandingOverSQL),
+	// past the index entries of the key's parked rows handed out before, which a vacuum
+	// removes only later. 0 when unknown. A wrong After costs no order: the key's next
+	// message is then left to the group's next ordered claim.
+	After int64
+
 	// leasedAfter is, for a line of an ordered claim on PostgreSQL, how long after its
 	// transaction began its leases began (see orderedClaimSQL).
 	leasedAfter time.Duration
@@ -76,13 +85,29 @@ func (s *Store) EnsureGroup(ctx context.Context, q dbx.Querier, group string, st
 }
 
 func scanClaimed(rows dbx.Rows, out []Claimed) ([]Claimed, error) {
+	return scanClaimedLines(rows, out, nil)
+}
+
+// scanClaimedLines reads the lines of a claim statement into out; with floor, each line has
+// an eighth column, its Claimed.After, and a line of kind 3 gives *floor instead of a claim
+// (orderedClaimSQL's lines).
+func scanClaimedLines(rows dbx.Rows, out []Claimed, floor *int64) ([]Claimed, error) {
 	defer rows.Close()
+	var c Claimed
+	var attempts, kind int64
+	var at float64
+	dest := []any{&c.Offset, &c.UUID, &c.Payload, &c.Metadata, &attempts, &kind, &at}
+	if floor != nil {
+		dest = append(dest, &c.After)
+	}
 	for rows.Next() {
-		var c Claimed
-		var attempts, kind int64
-		var at float64
-		if err := rows.Scan(&c.Offset, &c.UUID, &c.Payload, &c.Metadata, &attempts, &kind, &at); err != nil {
+		c = Claimed{}
+		if err := rows.Scan(dest...); err != nil {
 			return out, err
+		}
+		if kind == 3 && floor != nil {
+			*floor = c.After
+			continue
 		}
 		c.Attempts, c.Again = int(attempts), kind == 0
 		if kind == 2 {
@@ -141,6 +166,11 @@ func (s *Store) ClaimPassing(ctx context.Context, q dbx.Querier, groupID int32, 
 // ErrOrderUnsupported says that the database has no claims ordered by key.
 var ErrOrderUnsupported = errors.New("offsets: this database has no claims ordered by key")
 
+// parkPass is how many messages an ordered claim may pass besides its room, parked behind
+// their keys or delayed, while its group has parked messages (on PostgreSQL; on SQLite,
+// always): the messages behind a run of a busy key's are reached in one claim.
+const parkPass = 1_000
+
 // MaxParked is the most messages of a group ordered by key that wait parked behind their key:
 // while as many wait, a claim reads no new message (see orderedClaimSQL).
 const MaxParked = 1_000
@@ -148,7 +178,9 @@ const MaxParked = 1_000
 // ClaimOrdered is ClaimPassing for a group ordered by key (MetaOrderKey): a message of a key
 // is claimed only once every message of its key before it in the group's order is settled;
 // the others wait parked. It runs in a transaction of its own begun on b, which locks the
-// group's row first, so that the group's ordered claims run one after another.
+// group's row first, so that the group's ordered claims run one after another. It passes up
+// to pass delayed messages besides its room, as ClaimPassing does, and, while the group has
+// parked messages, up to parkPass delayed or parked ones if that is more.
 //
 // It also returns, when it claimed, a time no later than when its leases began, which comes
 // after the wait for the lock (on PostgreSQL, a time taken before the transaction began plus
@@ -156,13 +188,30 @@ const MaxParked = 1_000
 // had): a deadline counted from then never outlives them, and the wait for the lock (another
 // consumer's claim, a frozen process holding the write lock) does not shorten it.
 func (s *Store) ClaimOrdered(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, out []Claimed) ([]Claimed, time.Time, error) {
-	return s.db.claimOrdered(ctx, b, groupID, token, ttl, limit, pass, out)
+	floor := NoParkFloor
+	return s.db.claimOrdered(ctx, b, groupID, token, ttl, limit, pass, &floor, out)
 }
+
+// ClaimOrderedFrom is ClaimOrdered reading the group's parked messages from *floor, a token
+// at or below that of every parked row of the group, and leaving in *floor such a token for
+// the next claim (NoParkFloor where the database keeps none: SQLite). On PostgreSQL the
+// parked rows written and handed out since the last vacuum leave their index entries below
+// the group's live parked rows; a claim that starts at its floor reads past them. Parked
+// tokens only grow (the groups row keeps the highest one given), so a floor that any claim
+// of the group gave back stays at or below every parked row written after it.
+func (s *Store) ClaimOrderedFrom(ctx context.Context, b dbx.Beginner, groupID int32, token int64, ttl time.Duration, limit, pass int, floor *int64, out []Claimed) ([]Claimed, time.Time, error) {
+	return s.db.claimOrdered(ctx, b, groupID, token, ttl, limit, pass, floor, out)
+}
+
+// NoParkFloor is the floor of a claim that reads every parked row of its group (see
+// ClaimOrderedFrom).
+const NoParkFloor int64 = math.MinInt64
 
 // Fenced is a claim identified by its offset and the token it was claimed under.
 type Fenced struct {
 	Offset int64
 	Token  int64
+	After  int64 // its Claimed.After, read by AckHandingOver only
 }
 
 // Fence returns the claims cs as claimed under token, for the statements that settle or give
@@ -170,7 +219,7 @@ type Fenced struct {
 func Fence(cs []Claimed, token int64) []Fenced {
 	fs := make([]Fenced, len(cs))
 	for i, c := range cs {
-		fs[i] = Fenced{Offset: c.Offset, Token: token}
+		fs[i] = Fenced{Offset: c.Offset, Token: token, After: c.After}
 	}
 	return fs
 }
