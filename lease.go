@@ -387,11 +387,19 @@ func (l *leaseMode) extendOnce() {
 		// AckInTx has marked it: the extension was sent before and waited on the row for the
 		// caller's transaction, whose commit took the offset out; the message is settled.
 		lost := !extended && !d.ackedInTx && (err == nil && d.state != stateSettling || err != nil && time.Now().After(d.deadline))
+		deadline := d.deadline
 		d.mu.Unlock()
 		if lost && sub.work.lose(d) {
 			sub.claimer.markDue(time.Now()) // its lease ran out: the row is due, and this may take it
 			sub.s.stats.leasesLost.Add(1)
-			sub.logger.Info("Lease lost; the message may be redelivered", sub.fields(d.offset))
+			// The deadline says which: a lease that ran out (an extension that could not reach
+			// the database in time: a lock, a slow pool) or one refused before it did.
+			fields := sub.fields(d.offset)
+			fields["lease_deadline"] = deadline.Format(time.RFC3339Nano)
+			if err != nil {
+				fields["extension_error"] = err.Error()
+			}
+			sub.logger.Info("Lease lost; the message may be redelivered", fields)
 			d.cancel(ErrLeaseLost)
 		}
 	}

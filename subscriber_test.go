@@ -3,7 +3,9 @@ package sqlbroker_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -97,13 +99,17 @@ func TestSubscriber_L4_lostLeaseCancelsMessageContext(t *testing.T) {
 	ctx := context.Background()
 	topic := testdb.Topic(t, "")
 	pub := newPublisher(t, pgxDB(t))
-	sub := newSubscriber(t, sqlbroker.SubscriberConfig{LeaseTTL: 2 * time.Second, LeaseRenewInterval: 100 * time.Millisecond})
+	logs := watermill.NewCaptureLogger()
+	sub, err := sqlbroker.NewSubscriber(pgxDB(t), sqlbroker.SubscriberConfig{LeaseTTL: 2 * time.Second, LeaseRenewInterval: 100 * time.Millisecond, InitializeSchema: true}, logs)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
 	publish(t, pub, topic, "x")
 	msgs, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	m := receive(t, msgs, 10*time.Second)
 
 	// Another holder took the claim: its token no longer matches this delivery's.
+	refusedAt := time.Now()
 	_, err = testdb.Pgx(t).Exec(ctx, "UPDATE "+tables(topic).Claims+" SET token = 42")
 	require.NoError(t, err)
 
@@ -114,6 +120,18 @@ func TestSubscriber_L4_lostLeaseCancelsMessageContext(t *testing.T) {
 	}
 	assert.ErrorIs(t, context.Cause(m.Context()), sqlbroker.ErrLeaseLost)
 	assert.Equal(t, int64(1), sub.Stats().LeasesLost)
+	// The log line says when the lease would have run out: refused, not run out, it had not.
+	var lost []watermill.CapturedMessage
+	for _, c := range logs.Captured()[watermill.InfoLogLevel] {
+		if strings.HasPrefix(c.Msg, "Lease lost") {
+			lost = append(lost, c)
+		}
+	}
+	require.Len(t, lost, 1)
+	deadline, err := time.Parse(time.RFC3339Nano, fmt.Sprint(lost[0].Fields["lease_deadline"]))
+	require.NoError(t, err, "lease_deadline of %v", lost[0].Fields)
+	assert.True(t, deadline.After(refusedAt), "the lease refused before it ran out has its deadline %v before the refusal %v", deadline, refusedAt)
+	assert.NotContains(t, lost[0].Fields, "extension_error", "the extension ran and was refused")
 	m.Ack()
 	testdb.Eventually(t, 10*time.Second, "the ack to be refused", func() bool { return sub.Stats().StaleSettlements == 1 })
 }
