@@ -607,7 +607,12 @@ func TestSubscriber_A3_lockLostWhileHeldAhead(t *testing.T) {
 		return queryInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2
 			AND classid = $1::int4::oid AND granted`, key1)
 	}
-	testdb.Eventually(t, 10*time.Second, "two claims held ahead", func() bool { return locks() == 4 })
+	// Four locks, and four claims committed: a claim takes its locks inside its statement,
+	// so the locks show before the claim is committed, and a claim still running when its
+	// connection dies takes nothing (its messages come back with attempt 1).
+	testdb.Eventually(t, 10*time.Second, "two claims held ahead", func() bool {
+		return locks() == 4 && claimedPG(t, tables(topic).Claims, "true") == 4
+	})
 	pid := queryInt(t, `SELECT DISTINCT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2
 		AND classid = $1::int4::oid`, key1)
 	require.Equal(t, 1, queryInt(t, `SELECT count(*) FROM (SELECT pg_terminate_backend($1)) x`, pid))
