@@ -161,6 +161,7 @@ type totals struct {
 	alterQueued                          []int // library statements queued behind each ALTER
 	stopUnderLock                        []string
 	stopDeadline                         int // shutdowns under a lock that returned their ctx's error
+	leftByReports                        int // settlements not applied and leases left, as the reports of those shutdowns say
 	queriesCancelled                     int
 	activeAtOnce, locksAtOnce            int
 	main, race, ordered                  verdict
@@ -688,6 +689,7 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 				// Stopped while the test held a table lock with messages in work: their
 				// settlements wait on the lock, and the shutdown's deadline comes first.
 				tot.stopDeadline++
+				tot.leftByReports += r.Report.SettlementsNotApplied + r.Report.LeasesLeft
 			} else {
 				assert.Empty(t, r.ShutdownErr, "consumer %s shutdown (report %+v)", p.id, r.Report)
 			}
@@ -713,7 +715,10 @@ func runScenario(t *testing.T, mode sqlbroker.ClaimMode) {
 	assert.Equal(t, tot.published, tot.stored, "messages stored differ from messages published")
 	assert.Zero(t, tot.lost, "messages lost")
 	assert.Equal(t, tot.stored, tot.deliveredUnique)
-	assert.Zero(t, tot.claimsLeft, "claims left unsettled")
+	// A claim may be left only by a shutdown that returned at its deadline under the final
+	// table lock and said so in its report: an ack it did not apply, or a lease it left to run
+	// out. The message was handled; its claim waits for the next consumer of the group.
+	assert.LessOrEqual(t, tot.claimsLeft, tot.leftByReports, "claims left unsettled beyond what the shutdowns' reports say they left")
 	assert.Zero(t, tot.locksLeft, "advisory locks left")
 	assert.Zero(t, tot.connsLeft, "library connections left")
 	assert.Zero(t, tot.procLocksLeft, "advisory locks left after a consumer's shutdown")
@@ -916,7 +921,7 @@ func printTotals(t *testing.T, tot totals, fig recovery) {
 	fmt.Fprintf(&b, "delivered unique        %d\n", tot.deliveredUnique)
 	fmt.Fprintf(&b, "lost                    %d\n", tot.lost)
 	fmt.Fprintf(&b, "duplicates              %d, unexplained %d (every duplicate handling explained by what happened to it or to the handling before it: below)\n", tot.main.duplicates, tot.main.unexplainedDuplicates)
-	fmt.Fprintf(&b, "claims left             %d\n", tot.claimsLeft)
+	fmt.Fprintf(&b, "claims left             %d (settlements not applied and leases left, by the reports of shutdowns that returned at their deadline: %d)\n", tot.claimsLeft, tot.leftByReports)
 	fmt.Fprintf(&b, "stale settlements       %d refused (leases lost %d, nacks applied %d, claims released %d; %s)\n", tot.stale, tot.leasesLost, tot.nacked, tot.released, tot.statsFrom)
 	fmt.Fprintf(&b, "unexplained refusals    %d (of %d refused or not applied in the history)\n", tot.main.unexplainedRefusals, tot.main.refusals)
 	fmt.Fprintf(&b, "unexplained duplicates  %d\n", tot.main.unexplainedDuplicates)

@@ -240,7 +240,28 @@ func (c *checker) refusal(e event) (string, bool) {
 	if why, ok := c.underLock(e.Proc, began, at); ok {
 		return why, true
 	}
+	if why, ok := c.lockTerminated(e.Proc, began, at); ok {
+		return why, true
+	}
 	return c.restarted(at)
+}
+
+// lockTerminated: advisory mode, the test terminated the process's backends, its lock
+// connection's among them, while it held the message (from its claim, at most claimAhead
+// before its handler began, to the refusal at at). The lock went with the session and another
+// consumer could take the message; a refusal that comes before the process noticed the
+// connection's failure logs no lost lock for it.
+func (c *checker) lockTerminated(proc string, began, at time.Time) (string, bool) {
+	if _, _, advisory := c.lease(proc); !advisory {
+		return "", false
+	}
+	const claimAhead = 10 * time.Second
+	for _, f := range c.faults {
+		if f.Kind == faultTerminate && hits(f, proc) && !f.Start.Before(began.Add(-claimAhead)) && !f.Start.After(at) {
+			return "lock connection's backend terminated by the test while it held the message", true
+		}
+	}
+	return "", false
 }
 
 // duplicate explains the handling next of a message handled before by prev: by a fault of

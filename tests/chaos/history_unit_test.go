@@ -220,3 +220,31 @@ func TestLogAround(t *testing.T) {
 		"  log o2g1 20:19:55.828000 lease.go:1: \tlevel=INFO  msg=\"Lease lost; the message may be redelivered\" offset=24\n", got)
 	require.Contains(t, logAround(path, "o2g1", at("20:19:53"), at("20:19:56"), 1), "more lines left out")
 }
+
+// Advisory mode: the test terminated c0's backends while its handler ran, and c0's ack was
+// refused before it noticed its lock connection had failed (no lost lock logged). The refusal
+// is explained by the termination; in the lease mode, or without one, it is not.
+func TestHistory_advisoryRefusalAfterTermination(t *testing.T) {
+	t.Parallel()
+	t0 := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	refused := event{Proc: "c0", Kind: evRefused, Offset: 500, Op: "ack", Began: at(322).UnixNano(), At: at(495).UnixNano()}
+	checker := func(advisory bool, faults ...fault) *checker {
+		return &checker{faults: faults, events: []event{refused},
+			lease: func(string) (time.Duration, time.Duration, bool) {
+				return 2 * time.Second, 500 * time.Millisecond, advisory
+			}}
+	}
+	term := fault{Kind: faultTerminate, Procs: []string{"c0", "c2"}, Start: at(413), End: at(437)}
+	why, ok := checker(true, term).refusal(refused)
+	assert.True(t, ok, "a refusal after the test terminated the consumer's lock connection left unexplained")
+	assert.Contains(t, why, "terminated")
+	_, ok = checker(false, term).refusal(refused)
+	assert.False(t, ok, "a lease-mode refusal explained by a terminated backend alone")
+	_, ok = checker(true).refusal(refused)
+	assert.False(t, ok, "a refusal with no fault explained")
+	late := term
+	late.Start, late.End = at(600), at(620)
+	_, ok = checker(true, late).refusal(refused)
+	assert.False(t, ok, "a refusal explained by a termination after it")
+}
