@@ -967,6 +967,13 @@ func printTotals(t *testing.T, tot totals, fig recovery) {
 	}
 	fmt.Fprintf(&b, "recovery: redelivery after SIGKILL of the holder  %s (LeaseTTL %s, poll %s)\n", fmtDurations(fig.killRedelivery), leaseTTL, pollInterval)
 	fmt.Fprintf(&b, "recovery: handled after all library connections terminated %s (no fault: %s; RetryInterval %s)\n", fmtDurations(fig.resume), fmtDurations(fig.baseline), retryInterval)
+	// The first unexplained event of each group, with its history: the totals are what a CI
+	// log shows of a run, and a failure seen once is hard to make again.
+	for _, us := range [][]string{append(tot.main.unexplained, tot.race.unexplained...), append(tot.ordered.unexplained, tot.order.unexplained...)} {
+		if len(us) > 0 {
+			fmt.Fprintf(&b, "first of %d unexplained, with its history:\n%s", len(us), us[0])
+		}
+	}
 	t.Log("\n" + b.String())
 	fmt.Print(b.String())
 	if path := os.Getenv("SQLBROKER_CHAOS_TOTALS"); path != "" {

@@ -95,7 +95,7 @@ type event struct {
 	Op         string
 	LostBefore bool   // the refusal's log says the claim was lost before the settlement ran
 	Closed     bool   // the refusal says the subscriber had shut down (advisory mode)
-	Err        string // evLockConn: why the lock connection failed
+	Err        string // evLockConn: why the lock connection failed; evLeaseLost: the lease's deadline
 }
 
 const (
@@ -167,7 +167,14 @@ func (r recordingLogger) Info(msg string, fields watermill.LogFields) {
 	}
 	switch {
 	case strings.HasPrefix(msg, "Lease lost"):
-		r.log.emit(event{Kind: evLeaseLost, Offset: offsetField(fields)})
+		// The deadline the library counted the lease to (and the extension's error, if it
+		// failed) go into the event's story: they say whether the lease ran out while the
+		// test held a lock, or was last extended before it.
+		why := fmt.Sprintf("lease deadline %v", fields["lease_deadline"])
+		if e, ok := fields["extension_error"]; ok {
+			why += fmt.Sprintf(", extension failed: %v", e)
+		}
+		r.log.emit(event{Kind: evLeaseLost, Offset: offsetField(fields), Err: why})
 	case strings.HasPrefix(msg, "Advisory lock lost"):
 		r.log.emit(event{Kind: evLockLost, Offset: offsetField(fields)})
 	}
