@@ -19,17 +19,21 @@ import (
 	"github.com/stretchr/testify/require"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/advisory"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
 // takeAway takes the claim of the delivery at offset from it while its handler runs, and
 // waits (up to 5 s) until another consumer of the group holds it: in lease mode its lease is
-// made to run out; in advisory mode the lock connection holding it is terminated. Its
+// made to run out; in advisory mode the lock connection holding it is terminated, found by
+// the lock's whole key (key1 of the topic and group g, and the offset): the offset alone is
+// also the key2 of other tests' locks, whose connections it must not end. Its
 // statements run on a pool of their own: the handlers that call it hold transactions on the
 // package's pool, and when they hold all of its connections, a wait for one of them would never
 // end.
-func takeAway(t *testing.T, mode sqlbroker.ClaimMode, claims string, offset int64) {
+func takeAway(t *testing.T, mode sqlbroker.ClaimMode, topic string, offset int64) {
 	ctx := context.Background()
+	claims := tables(topic).Claims
 	pool := takeAwayPool(t)
 	var token int64
 	if err := pool.QueryRow(ctx, `SELECT "token" FROM `+claims+` WHERE "offsets" @> ARRAY[$1::bigint]`, offset).Scan(&token); err != nil {
@@ -49,8 +53,9 @@ func takeAway(t *testing.T, mode sqlbroker.ClaimMode, claims string, offset int6
 INSERT INTO `+claims+` ("group_id", "token", "attempts", "visible_at", "offsets")
 SELECT "group_id", -1 - $1::bigint, "attempts", now() - interval '1 second', ARRAY[$1::bigint] FROM u`, offset, token)
 	} else {
+		key1 := advisory.Key1(tables(topic).Messages, "g")
 		_, _ = pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_locks
-			WHERE locktype = 'advisory' AND objsubid = 2 AND objid = $1::bigint::oid AND classid BETWEEN 1275068416 AND 1291845631`, offset)
+			WHERE locktype = 'advisory' AND objsubid = 2 AND objid = $1::int4::oid AND classid = $2::int4::oid`, advisory.Key2(offset), key1)
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for time.Now().Before(deadline) {
@@ -143,7 +148,7 @@ func TestAckInTx_exactlyOneRowPerMessage(t *testing.T) {
 							off, ok := sqlbroker.OffsetFromContext(ctx)
 							require.True(t, ok)
 							takenAway.Add(1)
-							takeAway(t, mode, claims, off)
+							takeAway(t, mode, topic, off)
 						}
 						return exec(`INSERT INTO `+handled+` (uuid, by_sub) VALUES ($1, $2)`, msg.UUID, i)
 					}

@@ -111,12 +111,11 @@ func testDeadLetterLostClaimsCount(t *testing.T, d database) {
 	sub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{MaxAttempts: 2, DeadLetterTopic: dead, PollInterval: 20 * time.Millisecond})
 	msgs, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
-	claims := tables(topic).Claims
 	for attempt := 1; attempt <= 2; attempt++ {
 		m := receive(t, msgs, 10*time.Second)
 		require.Equal(t, strconv.Itoa(attempt), m.Metadata.Get(sqlbroker.MetadataAttempt))
 		off, _ := sqlbroker.OffsetFromContext(m.Context())
-		raw.takeAway(t, claims, off) // its lease runs out; this subscription takes it again
+		raw.takeAway(t, topic, off) // its lease runs out; this subscription takes it again
 	}
 	deadSub := newSubscriberOn(t, db, sqlbroker.SubscriberConfig{})
 	deadMsgs, err := deadSub.Subscribe(ctx, dead)
@@ -126,7 +125,7 @@ func testDeadLetterLostClaimsCount(t *testing.T, d database) {
 	assert.Equal(t, "3", m.Metadata.Get(sqlbroker.MetadataDeadLetterAttempts))
 	m.Ack()
 	noMessage(t, msgs, 300*time.Millisecond)
-	testdb.Eventually(t, 10*time.Second, "the claim gone", func() bool { return raw.count(t, "SELECT count(*) FROM "+claims) == 0 })
+	testdb.Eventually(t, 10*time.Second, "the claim gone", func() bool { return raw.count(t, "SELECT count(*) FROM "+tables(topic).Claims) == 0 })
 }
 
 // The move to the dead-letter topic is all or nothing: while the dead-letter table refuses the

@@ -128,12 +128,13 @@ func (r rawSQL) writeLockFree(t *testing.T) {
 
 // takeAway makes the lease of the claim of offset run out, as takeAway does on PostgreSQL,
 // and waits until a claim took it again.
-func (r rawSQL) takeAway(t *testing.T, claims string, offset int64) {
+func (r rawSQL) takeAway(t *testing.T, topic string, offset int64) {
 	t.Helper()
 	if r.lite == nil {
-		takeAway(t, sqlbroker.ClaimLease, claims, offset)
+		takeAway(t, sqlbroker.ClaimLease, topic, offset)
 		return
 	}
+	claims := tables(topic).Claims
 	var token int64
 	if err := r.lite.QueryRow(`SELECT "token" FROM `+claims+` WHERE "offset" = $1`, offset).Scan(&token); err != nil {
 		return // settled meanwhile
