@@ -42,7 +42,7 @@ func TestSubscriber_advisoryClaimLockTimeoutLoggedAtInfo(t *testing.T) {
 			tx, err := testdb.Pgx(t).Begin(ctx)
 			require.NoError(t, err)
 			defer func() { _ = tx.Rollback(ctx) }()
-			_, err = tx.Exec(ctx, "LOCK TABLE "+tables(topic).Claims+" IN ACCESS EXCLUSIVE MODE")
+			_, err = tx.Exec(ctx, lockTableSQL(tables(topic).Claims))
 			require.NoError(t, err)
 			// Woken by the publish, the claim meets the lock; the publish itself does not.
 			publish(t, pub, topic, "second")

@@ -107,7 +107,7 @@ func TestSubscriber_C1_claimBlockedLongerThanLeaseKeepsItsLease(t *testing.T) {
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer tx.Rollback(ctx)
-	_, err = tx.Exec(ctx, "LOCK TABLE "+tables(topic).Claims+" IN ACCESS EXCLUSIVE MODE")
+	_, err = tx.Exec(ctx, lockTableSQL(tables(topic).Claims))
 	require.NoError(t, err)
 	publish(t, pub, topic, "blocked")
 	testdb.Eventually(t, 10*time.Second, "a claim waiting on the table lock", func() bool {

@@ -230,3 +230,13 @@ func queryInt(t *testing.T, sql string, args ...any) int {
 	require.NoError(t, testdb.Pgx(t).QueryRow(context.Background(), sql, args...).Scan(&n))
 	return n
 }
+
+// lockTableSQL is the statement with which a test's own transaction holds table against the
+// library's statements, as a migration's lock would: EXCLUSIVE MODE, which every statement that
+// writes the table (and every FOR UPDATE) waits on, but plain reads do not. A migration takes
+// ACCESS EXCLUSIVE, which also stops reads, but PostgreSQL gives the transaction that takes it
+// a transaction ID (the lock is logged for standbys), and a transaction ID held for seconds
+// holds the xmin horizon back: no claim of any other test running beside this one would take
+// a message published meanwhile (a claim takes only messages older than every running
+// transaction), and their 10 s read windows ran out. EXCLUSIVE takes no transaction ID.
+func lockTableSQL(table string) string { return "LOCK TABLE " + table + " IN EXCLUSIVE MODE" }

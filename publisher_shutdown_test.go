@@ -19,14 +19,14 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
-// lockMessages holds LOCK TABLE ... IN ACCESS EXCLUSIVE MODE on topic's messages table in a
-// transaction of the test's own, until the returned function is called.
+// lockMessages holds a lock on topic's messages table that its writes wait on (lockTableSQL),
+// in a transaction of the test's own, until the returned function is called.
 func lockMessages(t *testing.T, topic string) (release func()) {
 	t.Helper()
 	ctx := context.Background()
 	tx, err := testdb.Pgx(t).Begin(ctx)
 	require.NoError(t, err)
-	_, err = tx.Exec(ctx, "LOCK TABLE "+tables(topic).Messages+" IN ACCESS EXCLUSIVE MODE")
+	_, err = tx.Exec(ctx, lockTableSQL(tables(topic).Messages))
 	require.NoError(t, err)
 	var once sync.Once
 	release = func() { once.Do(func() { _ = tx.Rollback(ctx) }) }

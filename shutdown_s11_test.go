@@ -247,7 +247,7 @@ func TestShutdown_S11_settlementBlockedOnTableLock(t *testing.T) {
 			tx, err := testdb.Pgx(t).Begin(ctx)
 			require.NoError(t, err)
 			defer func() { _ = tx.Rollback(ctx) }()
-			_, err = tx.Exec(ctx, "LOCK TABLE "+tables(topic).Claims+" IN ACCESS EXCLUSIVE MODE")
+			_, err = tx.Exec(ctx, lockTableSQL(tables(topic).Claims))
 			require.NoError(t, err)
 			for _, m := range got {
 				m.Ack()

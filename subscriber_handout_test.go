@@ -29,7 +29,7 @@ func TestSubscriber_L4_leaseRunsOutWhileOffered(t *testing.T) {
 	tx, err := testdb.Pgx(t).Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
-	_, err = tx.Exec(ctx, "LOCK TABLE "+claims+" IN ACCESS EXCLUSIVE MODE")
+	_, err = tx.Exec(ctx, lockTableSQL(claims))
 	require.NoError(t, err)
 	testdb.Eventually(t, 10*time.Second, "the lease ran out in the database", func() bool {
 		var n int

@@ -62,7 +62,7 @@ func TestSubscriber_L3_partlyAppliedBatchNotCountedStale(t *testing.T) {
 	tx, err := testdb.Pgx(t).Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
-	_, err = tx.Exec(ctx, "LOCK TABLE "+claims+" IN ACCESS EXCLUSIVE MODE")
+	_, err = tx.Exec(ctx, lockTableSQL(claims))
 	require.NoError(t, err)
 	got["decoy"].Nack()
 	testdb.Eventually(t, 10*time.Second, "the decoy's nack waiting on the lock", func() bool {
