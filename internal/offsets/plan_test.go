@@ -651,6 +651,18 @@ func keyedRows(n, keys int) []offsets.Row {
 	return rows
 }
 
+// insertGroup inserts rows and returns the id of group "g", made after them and reading them
+// from the start.
+func insertGroup(t *testing.T, ctx context.Context, store *offsets.Store, db dbx.Querier, rows []offsets.Row) int32 {
+	t.Helper()
+	insertRows(t, ctx, store, db, rows)
+	gid, err := store.EnsureGroup(ctx, db, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return gid
+}
+
 // holdSnapshot opens a REPEATABLE READ transaction that has read table, held until the test
 // ends: no version written from now on can be removed meanwhile.
 func holdSnapshot(t *testing.T, ctx context.Context, pool *pgxpool.Pool, table string) {
@@ -926,11 +938,7 @@ func TestAckHandingOverReadsTheFirstParkedOfEachKey(t *testing.T) {
 	store := offsets.NewStore(tables, false)
 	const keys, each, rounds = 8, 100, 21
 	rows := keyedRows(keys*each, keys)
-	insertRows(t, ctx, store, db, rows)
-	gid, err := store.EnsureGroup(ctx, db, "g", false)
-	if err != nil {
-		t.Fatal(err)
-	}
+	gid := insertGroup(t, ctx, store, db, rows)
 	var held []offsets.Fenced
 	for token := int64(1); token < 20 && len(held) < keys; token++ {
 		cs, _, err := store.ClaimOrdered(ctx, db, gid, token, time.Hour, keys, len(rows), nil)
@@ -992,15 +1000,7 @@ func TestOrderedClaimReadsItsRoomWhenNoKeyIsBusy(t *testing.T) {
 	tables, _, db := createTables(t, ctx)
 	store := offsets.NewStore(tables, false)
 	const n, batch, rounds = 3000, 10, 8
-	rows := make([]offsets.Row, n)
-	for i := range rows {
-		rows[i] = offsets.Row{UUID: fmt.Sprint(i), Payload: []byte("x"), Metadata: fmt.Sprintf(`{%q: "k%d"}`, offsets.MetaOrderKey, i)}
-	}
-	insertRows(t, ctx, store, db, rows)
-	gid, err := store.EnsureGroup(ctx, db, "g", false)
-	if err != nil {
-		t.Fatal(err)
-	}
+	gid := insertGroup(t, ctx, store, db, keyedRows(n, n)) // a key each
 	conn, plans := explainedConn(t, ctx)
 	stem := tables.PartitionName(0)
 	stem = stem[:len(stem)-1]
@@ -1110,11 +1110,7 @@ func TestOrderedClaimReadsParkedRowsFromItsFloor(t *testing.T) {
 	store := offsets.NewStore(tables, false)
 	const keys, each = 8, 300
 	rows := keyedRows(keys*each, keys)
-	insertRows(t, ctx, store, db, rows)
-	gid, err := store.EnsureGroup(ctx, db, "g", false)
-	if err != nil {
-		t.Fatal(err)
-	}
+	gid := insertGroup(t, ctx, store, db, rows)
 	// A snapshot that keeps every version written from now on.
 	holdSnapshot(t, ctx, pool, tables.Groups)
 
