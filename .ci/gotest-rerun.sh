@@ -7,7 +7,8 @@
 # then. Those that passed only on their second run are listed at the end under "FLAKY": each is
 # a test to mend, not to ignore. A package that failed without naming a failed test (a build
 # error, a panic, a timeout, which end its test binary before its other tests ran) is not run
-# again: the pass fails.
+# again, nor one whose output says "gotest-rerun: no rerun" (a test's word that its failure is
+# not one of timing, such as a message lost): the pass fails.
 #
 # The flags are given once and used for both runs; -run is replaced on the second run only.
 set -uo pipefail
@@ -38,6 +39,7 @@ status=${PIPESTATUS[0]}
 failed=$(awk '
   /^--- FAIL: / { names = names " " $3; next }
   /^panic: |^\*\*\* Test killed|^panic: test timed out/ { broken = 1 }
+  /gotest-rerun: no rerun/ { broken = 1 }
   /^FAIL\t[^ \t]+/ || /^FAIL [^ \t]+/ {
     split($0, f, /[ \t]+/)
     if (f[2] != "" && f[2] !~ /^\[/) { print f[2], ((broken || names == "") ? "-" : names) }
@@ -47,7 +49,7 @@ failed=$(awk '
 ' "$log")
 
 if [ -z "$failed" ] || grep -q ' -$' <<<"$failed"; then
-  echo "gotest-rerun: a package failed without a test to run again (build error, panic or timeout): no second run"
+  echo "gotest-rerun: a package failed without a test to run again (build error, panic, timeout, or a failure its test says is not one of timing): no second run"
   exit "$status"
 fi
 
