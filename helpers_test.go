@@ -3,6 +3,7 @@ package sqlbroker_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"strconv"
 	"testing"
 	"time"
@@ -72,7 +73,20 @@ func (r rawSQL) count(t *testing.T, query string, args ...any) int {
 	t.Helper()
 	var n int
 	if r.lite != nil {
-		require.NoError(t, r.lite.QueryRow(query, args...).Scan(&n))
+		// A process killed with the file open leaves its WAL index to be recovered by the next
+		// connection; another one that reads meanwhile gets SQLITE_BUSY_RECOVERY (261), which
+		// the busy timeout does not wait out.
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			err := r.lite.QueryRow(query, args...).Scan(&n)
+			var coded interface{ Code() int }
+			if errors.As(err, &coded) && coded.Code() == 261 && time.Now().Before(deadline) {
+				time.Sleep(10 * time.Millisecond)
+				continue
+			}
+			require.NoError(t, err)
+			break
+		}
 	} else {
 		require.NoError(t, r.pg.QueryRow(context.Background(), query, args...).Scan(&n))
 	}
