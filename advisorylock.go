@@ -297,18 +297,19 @@ func (a *advisoryMode) claimNew(buf []offsets.Claimed, n int, token int64, due o
 	sub := a.sub
 	start := len(buf)
 	out := buf
-	gen, err := a.conn.Claim(sub.ctx, func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error) {
+	gen, err := a.conn.Claim(sub.ctx, func(ctx context.Context, q dbx.Querier, held, unlock []int64) ([]int64, []int64, error) {
+		var refused []int64
 		var err error
-		out, err = sub.store.ClaimLockedPassing(ctx, q, sub.groupID, token, n, sub.claimer.passRoom, a.key1, held, due, buf)
+		out, refused, err = sub.store.ClaimLockedPassing(ctx, q, sub.groupID, token, n, sub.claimer.passRoom, a.key1, held, unlock, due, buf)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		out = append(out[:start], sub.passDelayed(out[start:], nil)...)
 		locked := make([]int64, 0, len(out)-start)
 		for _, c := range out[start:] {
 			locked = append(locked, c.Offset)
 		}
-		return locked, nil
+		return locked, refused, nil
 	})
 	if err != nil {
 		return buf, 0, a.claimError(err)
@@ -406,10 +407,9 @@ func (a *advisoryMode) await(d *delivery) {
 	sub.work.settling(d)
 	sub.settler.enqueue(d, op)
 	// The handler is done: its slot goes back now, so that a message claimed ahead goes to a
-	// handler while the settlement runs. The held token stays until the statement has run and
-	// the lock is dropped: the locks a subscription holds stay bounded by MaxInFlight plus
-	// what it claims ahead, and with MaxInFlight 1 (nothing claimed ahead) no claim is made
-	// before a nacked message is due again.
+	// handler while the settlement runs. The held token stays until the statement has run:
+	// the claims a subscription holds stay bounded by MaxInFlight plus what it claims ahead,
+	// and its locks by that plus the settled ones whose drop waits for the next claim (unlock).
 	sub.work.freeSlot(d)
 }
 
@@ -457,14 +457,18 @@ func (a *advisoryMode) admit(x settlement) bool {
 }
 
 // unlock drops the locks of settlements whose statement ran (or that the caller's commit
-// settled), each under the generation of the round that took it.
+// settled), each under the generation of the round that took it. It leaves the drop to the
+// next claim on the lock connection, which makes it in its own statement, or to a statement
+// of its own a few milliseconds later if no claim comes (advisory.Conn.DeferUnlock): the
+// settled deliveries free their places at once, and a subscriber that claims as it settles
+// sends no statement for its unlocks.
 func (a *advisoryMode) unlock(sts []settlement) {
 	byGen := map[uint64][]int64{}
 	for _, x := range sts {
 		byGen[x.d.gen] = append(byGen[x.d.gen], x.d.offset)
 	}
 	for gen, offs := range byGen {
-		a.unlockGen(offs, gen)
+		a.conn.DeferUnlock(offs, gen)
 	}
 }
 

@@ -263,7 +263,8 @@ func (st *settler) apply(op settleOp, sts []settlement) []settlement {
 		lostBefore[i] = x.d.isLost()
 	}
 	mode.unlock(these)
-	// Counted once the locks are dropped: Stats never shows a settlement whose lock is held.
+	// Counted once the statement has run; in advisory mode the lock's drop is queued by then
+	// (see advisoryMode.unlock).
 	for i, x := range these {
 		st.count(x, done[x.d.offset], lostBefore[i], handedKeys)
 		sub.forget(x.d)

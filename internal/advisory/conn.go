@@ -45,6 +45,7 @@ const (
 	DefaultLockTimeout      = 2 * time.Second
 	DefaultStatementTimeout = 30 * time.Second
 	DefaultIdleChecks       = 30
+	DefaultDeferFlush       = 5 * time.Millisecond
 )
 
 // clientTimeoutAfter is how long past its StatementTimeout a statement may run before the
@@ -88,6 +89,9 @@ type Options struct {
 	OnLost func(offsets []int64)
 	// Logger logs losses, reconnects and bugs.
 	Logger watermill.LoggerAdapter
+	// DeferFlush is how long the locks given to DeferUnlock wait for a Claim to drop them
+	// before a statement of their own does. Defaults to DefaultDeferFlush.
+	DeferFlush time.Duration
 	// Lazy lets Open return without a connection when a lock connection of the same pool has
 	// passed the session check before (in this process): the first statement that needs the
 	// connection (a claim, a try-lock, a query, Check) opens it then. Until that, the Conn
@@ -119,6 +123,8 @@ type Conn struct {
 	conn       dbx.Conn   // nil while disconnected
 	gen        uint64     // incremented every time the connection is lost
 	held       map[int64]uint64
+	deferred   []int64 // held offsets whose locks the next statement drops (DeferUnlock)
+	flushing   bool    // a flush of deferred is scheduled
 	closed     bool
 	abandoned  bool // CloseContext gave up on a running statement: its end closes conn
 	opened     bool // a connection was open once (see Options.Lazy)
@@ -152,6 +158,9 @@ func Open(ctx context.Context, pool dbx.Pool, opt Options) (*Conn, error) {
 	}
 	if opt.StatementTimeout <= 0 {
 		opt.StatementTimeout = DefaultStatementTimeout
+	}
+	if opt.DeferFlush <= 0 {
+		opt.DeferFlush = DefaultDeferFlush
 	}
 	opt.StatementTimeout = max(opt.StatementTimeout, opt.LockTimeout)
 	c := &Conn{pool: pool, opt: opt, turn: make(chan struct{}, 1), gen: 1, held: map[int64]uint64{}, closing: make(chan struct{})}
@@ -258,16 +267,23 @@ func (c *Conn) CloseContext(ctx context.Context) (released int, closed bool, err
 	c.dialMu.Unlock()
 	defer c.giveRoom()
 	c.mu.Lock()
-	conn := c.conn
+	conn, gen := c.conn, c.gen
+	c.mu.Unlock()
+	settled := c.takeDeferred(gen)
+	if conn == nil {
+		<-c.turn
+		return 0, false, nil
+	}
+	// The locks of settled claims whose drop DeferUnlock left to a later statement are dropped
+	// first, and not counted as released by the close. A failure that loses the connection
+	// empties the bookkeeping: the unlock below then has nothing to do.
+	_, lostSettled, _ := c.unlock(conn, settled)
+	c.mu.Lock()
 	all := make([]int64, 0, len(c.held))
 	for o := range c.held {
 		all = append(all, o)
 	}
 	c.mu.Unlock()
-	if conn == nil {
-		<-c.turn
-		return 0, false, nil
-	}
 	n, lost, uerr := c.unlock(conn, all)
 	if uerr != nil {
 		c.opt.Logger.Error("Releasing locks at close failed; closing the connection frees them", uerr,
@@ -284,6 +300,6 @@ func (c *Conn) CloseContext(ctx context.Context) (released int, closed bool, err
 		conn.Destroy()
 	}
 	<-c.turn
-	c.report(lost)
+	c.report(append(lostSettled, lost...))
 	return n, true, nil
 }

@@ -64,6 +64,85 @@ func open(t *testing.T, key1 int32, onLost func([]int64)) *advisory.Conn {
 	return c
 }
 
+// The drops DeferUnlock leaves to the next Claim: the Claim's statement is given them (and
+// no longer sees them as held), nothing else drops them meanwhile, and Close drops them
+// without counting them; a Claim that did not run gives them back; with no Claim, a statement
+// of their own drops them after DeferFlush.
+func TestConn_deferredUnlocks(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pgx(t)
+	unlockAll := func(ctx context.Context, q dbx.Querier, key1 int32, offs []int64) ([]int64, error) {
+		var refused []int64
+		for _, o := range offs {
+			var ok bool
+			if err := dbx.QueryRow(ctx, q, `SELECT pg_advisory_unlock($1::int4, ($2::bigint::bit(32))::int4)`, []any{key1, o}, &ok); err != nil {
+				return nil, err
+			}
+			if !ok {
+				refused = append(refused, o)
+			}
+		}
+		return refused, nil
+	}
+
+	t.Run("carried by the next claim", func(t *testing.T) {
+		key1 := advisory.Key1(`"conn_test_deferred"`, t.Name())
+		c, err := advisory.Open(context.Background(), dbx.NewPgxPool(pool), advisory.Options{Key1: key1, DeferFlush: time.Hour})
+		require.NoError(t, err)
+		_, gen, err := c.TryLock(context.Background(), []int64{1, 2, 3})
+		require.NoError(t, err)
+		c.DeferUnlock([]int64{1, 2, 7}, gen) // 7 is not held: skipped
+		c.DeferUnlock([]int64{2}, gen+1)     // another generation: skipped
+		assert.Equal(t, 3, c.Held(), "held until a statement drops them")
+		time.Sleep(50 * time.Millisecond)
+		assert.Equal(t, 3, locksOf(t, pool, key1), "no statement of their own before DeferFlush")
+
+		var gotHeld, gotUnlock []int64
+		_, err = c.Claim(context.Background(), func(ctx context.Context, q dbx.Querier, held, unlock []int64) ([]int64, []int64, error) {
+			gotHeld, gotUnlock = held, unlock
+			refused, err := unlockAll(ctx, q, key1, unlock)
+			return nil, refused, err
+		})
+		require.NoError(t, err)
+		assert.ElementsMatch(t, []int64{3}, gotHeld, "a lock being dropped is not given as held")
+		assert.ElementsMatch(t, []int64{1, 2}, gotUnlock)
+		assert.Equal(t, 1, c.Held())
+		assert.Equal(t, 1, locksOf(t, pool, key1))
+
+		// Given to a claim that does not run, they wait for the next one; Close drops them
+		// without counting them as released.
+		c.DeferUnlock([]int64{3}, gen)
+		stopped, cancel := context.WithCancel(context.Background())
+		cancel()
+		_, err = c.Claim(stopped, func(context.Context, dbx.Querier, []int64, []int64) ([]int64, []int64, error) {
+			t.Error("a stopped claim ran")
+			return nil, nil, nil
+		})
+		require.ErrorIs(t, err, advisory.ErrStopped)
+		assert.Equal(t, 1, c.Held())
+		assert.Equal(t, 1, locksOf(t, pool, key1))
+		released, closed := c.Close()
+		assert.True(t, closed)
+		assert.Zero(t, released, "a settled message's lock counted as released by Close")
+		assert.Zero(t, locksOf(t, pool, key1))
+	})
+
+	t.Run("dropped on their own with no claim", func(t *testing.T) {
+		key1 := advisory.Key1(`"conn_test_deferred"`, t.Name())
+		c, err := advisory.Open(context.Background(), dbx.NewPgxPool(pool), advisory.Options{Key1: key1})
+		require.NoError(t, err)
+		_, gen, err := c.TryLock(context.Background(), []int64{1, 2})
+		require.NoError(t, err)
+		c.DeferUnlock([]int64{1}, gen)
+		testdb.Eventually(t, 5*time.Second, "the deferred lock dropped", func() bool {
+			return c.Held() == 1 && locksOf(t, pool, key1) == 1
+		})
+		released, _ := c.Close()
+		assert.Equal(t, 1, released)
+		assert.Zero(t, locksOf(t, pool, key1))
+	})
+}
+
 func locksOf(t *testing.T, pool *pgxpool.Pool, key1 int32) int {
 	t.Helper()
 	var n int
@@ -165,7 +244,10 @@ func TestConn_statementNotRunWhenStoppedKeepsTheConnection(t *testing.T) {
 	ran := false
 	err = c.Query(stopped, func(context.Context, dbx.Querier) error { ran = true; return nil })
 	require.ErrorIs(t, err, advisory.ErrStopped)
-	_, err = c.Claim(stopped, func(context.Context, dbx.Querier, []int64) ([]int64, error) { ran = true; return nil, nil })
+	_, err = c.Claim(stopped, func(context.Context, dbx.Querier, []int64, []int64) ([]int64, []int64, error) {
+		ran = true
+		return nil, nil, nil
+	})
 	require.ErrorIs(t, err, advisory.ErrStopped)
 	assert.False(t, ran)
 	select {

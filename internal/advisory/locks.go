@@ -3,6 +3,7 @@ package advisory
 import (
 	"context"
 	"errors"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 
@@ -19,7 +20,7 @@ func (c *Conn) TryLock(stop context.Context, offsets []int64) ([]int64, uint64, 
 		return nil, c.Gen(), nil
 	}
 	var locked []int64
-	gen, err := c.locking(stop, func(held map[int64]uint64) []int64 {
+	gen, err := c.locking(stop, false, func(held map[int64]uint64) []int64 {
 		try := make([]int64, 0, len(offsets))
 		for _, o := range offsets {
 			if _, ok := held[o]; !ok {
@@ -27,13 +28,13 @@ func (c *Conn) TryLock(stop context.Context, offsets []int64) ([]int64, uint64, 
 			}
 		}
 		return try
-	}, func(ctx context.Context, q dbx.Querier, try []int64) ([]int64, error) {
+	}, func(ctx context.Context, q dbx.Querier, try, _ []int64) ([]int64, []int64, error) {
 		if len(try) == 0 {
-			return nil, nil
+			return nil, nil, nil
 		}
 		var err error
 		locked, err = dbx.ScanInt64s(q.Query(ctx, tryLockSQL, c.opt.Key1, try))
-		return locked, err
+		return locked, nil, err
 	})
 	if err != nil {
 		return nil, 0, err
@@ -42,14 +43,16 @@ func (c *Conn) TryLock(stop context.Context, offsets []int64) ([]int64, uint64, 
 }
 
 // Claim runs claim on the lock connection, with the offsets whose locks the connection holds
-// already (claim must not lock those again: session locks are re-entrant). claim locks the
-// offsets it returns in the statement that claims them (offsets.Store.ClaimLocked), so a claim
-// becomes visible to others only with its lock held. Claim returns the generation the locks
-// were taken under. A claim that fails takes nothing: locks its statement took before it
-// failed are dropped again. stop ending cancels the statement on the server (see
+// already (claim must not lock those again: session locks are re-entrant) and those whose
+// locks DeferUnlock left to it, which claim drops in the same statement
+// (offsets.Store.ClaimLockedPassing) and returns those the session did not hold. claim locks
+// the offsets it returns in the statement that claims them, so a claim becomes visible to
+// others only with its lock held. Claim returns the generation the locks were taken under. A
+// claim that fails takes nothing: locks its statement took before it failed are dropped again,
+// and so are those it was to drop. stop ending cancels the statement on the server (see
 // Options.Stop); the error then wraps ErrCancelled.
-func (c *Conn) Claim(stop context.Context, claim func(ctx context.Context, q dbx.Querier, held []int64) ([]int64, error)) (uint64, error) {
-	return c.locking(stop, func(held map[int64]uint64) []int64 {
+func (c *Conn) Claim(stop context.Context, claim func(ctx context.Context, q dbx.Querier, held, unlock []int64) (locked, refused []int64, err error)) (uint64, error) {
+	return c.locking(stop, true, func(held map[int64]uint64) []int64 {
 		out := make([]int64, 0, len(held))
 		for o := range held {
 			out = append(out, o)
@@ -60,23 +63,33 @@ func (c *Conn) Claim(stop context.Context, claim func(ctx context.Context, q dbx
 
 // locking runs one statement that takes locks: args builds its argument from the bookkeeping,
 // fn runs it and returns the offsets it locked, which are then held under the generation
-// returned.
-func (c *Conn) locking(stop context.Context, args func(held map[int64]uint64) []int64,
-	fn func(ctx context.Context, q dbx.Querier, arg []int64) ([]int64, error)) (uint64, error) {
+// returned. With carry, fn also drops the deferred locks it is given (see Claim).
+func (c *Conn) locking(stop context.Context, carry bool, args func(held map[int64]uint64) []int64,
+	fn func(ctx context.Context, q dbx.Querier, arg, unlock []int64) (locked, refused []int64, err error)) (uint64, error) {
 	conn, gen, err := c.turnOn()
 	if err != nil {
 		return 0, err
 	}
+	var unlock []int64
+	if carry {
+		unlock = c.takeDeferred(gen)
+	}
 	c.mu.Lock()
 	arg := args(c.held)
 	c.mu.Unlock()
-	var locked []int64
+	var locked, refused []int64
 	err = c.statement(stop, conn, func(ctx context.Context) error {
 		var err error
-		locked, err = fn(ctx, conn, arg)
+		locked, refused, err = fn(ctx, conn, arg, unlock)
 		return err
 	})
 	if err != nil {
+		if errors.Is(err, ErrStopped) {
+			c.deferAgain(unlock, gen) // the statement did not run
+		}
+		// A statement that failed on a live connection is followed by reconcile, which drops
+		// every lock of the session the bookkeeping does not hold: those of unlock are no
+		// longer in it.
 		lost := c.failedOrNotRun(conn, err)
 		c.give()
 		c.report(lost)
@@ -88,6 +101,7 @@ func (c *Conn) locking(stop context.Context, args func(held map[int64]uint64) []
 	}
 	c.mu.Unlock()
 	c.give()
+	c.refused(refused)
 	return gen, nil
 }
 
@@ -192,10 +206,101 @@ func (c *Conn) unlock(conn dbx.Conn, offsets []int64) (int, []int64, error) {
 		delete(c.held, o)
 	}
 	c.mu.Unlock()
-	for _, o := range refused {
+	c.refused(refused)
+	return len(confirmed), nil, nil
+}
+
+// refused logs the offsets whose unlock PostgreSQL refused although the bookkeeping held
+// them: a bug.
+func (c *Conn) refused(offsets []int64) {
+	for _, o := range offsets {
 		c.opt.Logger.Error("BUG: advisory unlock returned false for a lock the subscriber's bookkeeping says it held",
 			errors.New("advisory: unlock of a lock not held"),
 			watermill.LogFields{"key1": c.opt.Key1, "offset": o, "key2": Key2(o)})
 	}
-	return len(confirmed), nil, nil
+}
+
+// DeferUnlock leaves the drop of the locks of the offsets taken under generation gen to the
+// next Claim, which drops them in its own statement, or, if no Claim starts within
+// Options.DeferFlush, to an unlock statement of their own: a subscriber that settles while it claims
+// saves the round trip of an unlock. Offsets this Conn does not hold under gen are skipped.
+// Until they are dropped, the locks count in Held and CloseContext drops them without
+// counting them.
+func (c *Conn) DeferUnlock(offsets []int64, gen uint64) {
+	c.mu.Lock()
+	if c.conn == nil || gen != c.gen || c.closed {
+		c.mu.Unlock()
+		return
+	}
+	for _, o := range offsets {
+		if g, ok := c.held[o]; ok && g == gen {
+			c.deferred = append(c.deferred, o)
+		}
+	}
+	schedule := len(c.deferred) > 0 && !c.flushing
+	if schedule {
+		c.flushing = true
+	}
+	c.mu.Unlock()
+	if schedule {
+		time.AfterFunc(c.opt.DeferFlush, c.flushDeferred)
+	}
+}
+
+// deferAgain gives back to the deferred drops the offsets a Claim took but did not run.
+func (c *Conn) deferAgain(offsets []int64, gen uint64) {
+	if len(offsets) == 0 {
+		return
+	}
+	c.mu.Lock()
+	if c.conn == nil || gen != c.gen {
+		c.mu.Unlock()
+		return
+	}
+	for _, o := range offsets {
+		c.held[o] = gen
+	}
+	c.mu.Unlock()
+	c.DeferUnlock(offsets, gen)
+}
+
+// takeDeferred takes the deferred offsets still held under gen out of the bookkeeping, once
+// each, for the statement that drops their locks; the turn is held.
+func (c *Conn) takeDeferred(gen uint64) []int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.deferred) == 0 {
+		return nil
+	}
+	var out []int64
+	if gen == c.gen {
+		out = make([]int64, 0, len(c.deferred))
+		for _, o := range c.deferred {
+			if g, ok := c.held[o]; ok && g == gen {
+				delete(c.held, o)
+				out = append(out, o)
+			}
+		}
+	}
+	c.deferred = c.deferred[:0]
+	return out
+}
+
+// flushDeferred drops the deferred locks that no Claim took within Options.DeferFlush.
+func (c *Conn) flushDeferred() {
+	c.mu.Lock()
+	c.flushing = false
+	c.mu.Unlock()
+	c.take()
+	conn, gen, err := c.current()
+	if err != nil {
+		c.give()
+		return
+	}
+	_, lost, err := c.unlock(conn, c.takeDeferred(gen))
+	c.give()
+	c.report(lost)
+	if err != nil {
+		c.opt.Logger.Error("Dropping the locks of settled claims failed", err, watermill.LogFields{"key1": c.opt.Key1})
+	}
 }

@@ -105,6 +105,7 @@ func (c *Conn) give() {
 		c.conn = nil
 		c.gen++
 		clear(c.held)
+		c.deferred = c.deferred[:0]
 	}
 	c.mu.Unlock()
 	if drop != nil {
@@ -271,6 +272,7 @@ func (c *Conn) lose(conn dbx.Conn, err error) []int64 {
 		lost = append(lost, o)
 	}
 	clear(c.held)
+	c.deferred = c.deferred[:0]
 	c.mu.Unlock()
 	c.opt.Logger.Error("Lock connection failed; every lock it held is gone, reconnecting", err,
 		watermill.LogFields{"key1": c.opt.Key1, "locks_lost": len(lost)})

@@ -39,13 +39,17 @@ import (
 // took. If it fails, locks it took before failing stay with the session: close the connection.
 // With due false it claims new messages only, as Claim does.
 func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit int, key1 int32, skip []int64, due Due, out []Claimed) ([]Claimed, error) {
-	return s.ClaimLockedPassing(ctx, q, groupID, token, limit, 0, key1, skip, due, out)
+	out, _, err := s.ClaimLockedPassing(ctx, q, groupID, token, limit, 0, key1, skip, nil, due, out)
+	return out, err
 }
 
 // ClaimLockedPassing is ClaimLocked that passes up to pass delayed messages besides the limit
-// it may claim, as ClaimPassing does.
-func (s *Store) ClaimLockedPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due Due, out []Claimed) ([]Claimed, error) {
-	return s.db.claimLocked(ctx, q, groupID, token, limit, pass, key1, skip, due, out)
+// it may claim, as ClaimPassing does, and that also drops the session's locks (under key1) of
+// the offsets in unlock, after the locks it tried (see unlockLinesSQL). It returns the offsets
+// of unlock whose lock the session did not hold; the others' locks it dropped. If it fails,
+// some of those locks may be dropped and others not: ask the session which it holds.
+func (s *Store) ClaimLockedPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip, unlock []int64, due Due, out []Claimed) ([]Claimed, []int64, error) {
+	return s.db.claimLocked(ctx, q, groupID, token, limit, pass, key1, skip, unlock, due, out)
 }
 
 // HeldAfter returns up to limit offsets after offset after of claims of the group held by a

@@ -29,7 +29,7 @@ type database interface {
 	// Groups and claims.
 	ensureGroup(ctx context.Context, q dbx.Querier, group string, startAtNewest bool) (int32, error)
 	claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due Due, out []Claimed) ([]Claimed, error)
-	claimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due Due, out []Claimed) ([]Claimed, error)
+	claimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip, unlock []int64, due Due, out []Claimed) ([]Claimed, []int64, error)
 	heldBack(ctx context.Context, q dbx.Querier, groupID int32) (int, error)
 	// claimOrdered is claim for a group ordered by key, in a transaction of its own begun on
 	// b; nil, ErrOrderUnsupported where the database has none. It also returns when the

@@ -48,7 +48,8 @@ func TestClaimPassing_delayedDoNotTakeTheRoom(t *testing.T) {
 				conn.Release()
 			})
 			return func(limit, pass int) ([]offsets.Claimed, error) {
-				return store.ClaimLockedPassing(ctx, dbx.PgxConn(conn.Conn()), gid, 7, limit, pass, 0x50415353, nil, offsets.DueNone, nil)
+				cs, _, err := store.ClaimLockedPassing(ctx, dbx.PgxConn(conn.Conn()), gid, 7, limit, pass, 0x50415353, nil, nil, offsets.DueNone, nil)
+				return cs, err
 			}
 		},
 		"sqlite": func(t *testing.T) claimFn {

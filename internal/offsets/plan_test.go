@@ -753,6 +753,89 @@ func TestClaimLockedSkipsHeldLocks(t *testing.T) {
 	}
 }
 
+// TestClaimLockedDropsSettledLocks checks the unlocks an advisory claim carries (its $7):
+// whatever the claim takes, even nothing, every offset given is unlocked once, and those the
+// session did not hold are returned. A lock dropped and taken again by the same claim (a
+// nacked message due again at once) stays held once. Under both plan modes.
+func TestClaimLockedDropsSettledLocks(t *testing.T) {
+	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+		t.Run(mode, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			tables, _, db := createTables(t, ctx)
+			store := offsets.NewStore(tables, true)
+			conn, err := pgx.Connect(ctx, testdb.URL())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close(context.Background())
+			if _, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode); err != nil {
+				t.Fatal(err)
+			}
+			q := dbx.PgxConn(conn)
+			gid, err := store.EnsureGroup(ctx, q, "g", false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			const key1 = 0x4C0000AB
+			held := func(o int64) int {
+				var n int
+				if err := conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()
+					AND classid = $1::int4::oid AND objid = ($2::bigint::bit(32))::int4::oid AND objsubid = 2`, key1, o).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				return n
+			}
+			// Two settled messages' locks, held by hand; 1<<40+3 is not held.
+			for _, o := range []int64{1 << 40, 1<<40 + 1} {
+				var ok bool
+				if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1::int4, ($2::bigint::bit(32))::int4)", key1, o).Scan(&ok); err != nil || !ok {
+					t.Fatalf("lock of %d: %v %v", o, ok, err)
+				}
+			}
+			// Nothing to claim: the unlocks run all the same.
+			cs, refused, err := store.ClaimLockedPassing(ctx, q, gid, 1<<61, 3, 0, key1, nil, []int64{1 << 40, 1<<40 + 1, 1<<40 + 3}, offsets.DueNone, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(cs) != 0 || len(refused) != 1 || refused[0] != 1<<40+3 {
+				t.Fatalf("claimed %v, refused %v; want nothing claimed and %d refused", cs, refused, int64(1<<40+3))
+			}
+			if held(1<<40) != 0 || held(1<<40+1) != 0 {
+				t.Fatal("a lock given to the claim to drop is still held")
+			}
+
+			// A message whose lock the session holds, due again: dropped and taken again, held once.
+			if err := store.Insert(ctx, db, []offsets.Row{{UUID: "a", Metadata: "{}"}}, ""); err != nil {
+				t.Fatal(err)
+			}
+			testdb.WaitHorizon(t, ctx, db, tables.Messages)
+			var first int64
+			if err := conn.QueryRow(ctx, `SELECT min("offset") FROM `+tables.Messages).Scan(&first); err != nil {
+				t.Fatal(err)
+			}
+			var ok bool
+			if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1::int4, ($2::bigint::bit(32))::int4)", key1, first).Scan(&ok); err != nil || !ok {
+				t.Fatalf("lock of the message: %v %v", ok, err)
+			}
+			cs, refused, err = store.ClaimLockedPassing(ctx, q, gid, 1<<61, 3, 0, key1, nil, []int64{first}, offsets.DueNone, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(cs) != 1 || len(refused) != 0 {
+				t.Fatalf("claimed %d, refused %v; want the message claimed and nothing refused", len(cs), refused)
+			}
+			var once, twice bool
+			if err := conn.QueryRow(ctx, "SELECT pg_advisory_unlock($1::int4, ($2::bigint::bit(32))::int4), pg_advisory_unlock($1::int4, ($2::bigint::bit(32))::int4)", key1, first).Scan(&once, &twice); err != nil {
+				t.Fatal(err)
+			}
+			if !once || twice {
+				t.Errorf("the claimed message's lock is not held exactly once (unlocks: %v, %v)", once, twice)
+			}
+		})
+	}
+}
+
 // TestClaimSkipsPassedPartitions checks that a claim reads only the partitions its group may
 // still need: with 20 partitions of messages and the groups near the end, after a
 // maintenance pass has moved their floors, no node of any claim statement's plan (generic or

@@ -160,9 +160,10 @@ func byOffsetSQL(alias, at string) string {
 // claimTailSQL ends both claim statements: it advances the group's position past the new
 // messages of m, and returns the due claims taken again (r) first, then the new messages read
 // from newFrom, in (xid, offset) order, then one row (kind 2, with the time in epoch
-// milliseconds) for each message of m that is delayed (see delayedSQL). %[1]s and %[2]s are
-// the groups and messages tables.
-func claimTailSQL(newFrom string) string {
+// milliseconds) for each message of m that is delayed (see delayedSQL), then the lines of
+// more, if any (another UNION ALL branch of the same columns). %[1]s and %[2]s are the groups
+// and messages tables.
+func claimTailSQL(newFrom, more string) string {
 	return `, upd AS (
 	UPDATE %[1]s SET "last_xid" = l."xid", "last_offset" = l."offset", "updated_at" = now()
 	FROM (SELECT m."xid", m."offset" FROM m ORDER BY m."xid" DESC, m."offset" DESC LIMIT 1) l
@@ -176,7 +177,7 @@ SELECT x."offset", x."uuid", x."payload", x."metadata"::text, x."attempts", x.k,
 	FROM ` + newFrom + `
 	UNION ALL
 	SELECT m."offset", '', ''::bytea, '{}'::jsonb, 0, 2, m."offset", extract(epoch FROM m."later")::float8 * 1000
-	FROM m WHERE m."later" IS NOT NULL
+	FROM m WHERE m."later" IS NOT NULL` + more + `
 ) x ORDER BY x.k, x.o`
 }
 
@@ -228,7 +229,7 @@ func (s postgres) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int3
 		s.claimOrderedSQL, []any{groupID, token, ms(ttl), limit, pass, MaxParked, max(pass, parkPass), from}, func(rows dbx.Rows) error {
 			var err error
 			next = from
-			out, err = scanClaimedLines(rows, out[:n], &next)
+			out, err = scanClaimedLines(rows, out[:n], lineSinks{floor: &next})
 			return err
 		})
 	if err != nil {
@@ -246,15 +247,20 @@ func (s postgres) claimOrdered(ctx context.Context, b dbx.Beginner, groupID int3
 }
 
 // claimLocked is ClaimLockedPassing (see claimLockedSQL).
-func (s postgres) claimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip []int64, due Due, out []Claimed) ([]Claimed, error) {
+func (s postgres) claimLocked(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip, unlock []int64, due Due, out []Claimed) ([]Claimed, []int64, error) {
 	if skip == nil {
 		skip = []int64{}
 	}
-	rows, err := dbx.QueryWrite(ctx, q, s.claimLockedSQL[due], groupID, token, key1, limit, skip, pass)
-	if err != nil {
-		return out, err
+	if unlock == nil {
+		unlock = []int64{}
 	}
-	return scanClaimed(rows, out)
+	rows, err := dbx.QueryWrite(ctx, q, s.claimLockedSQL[due], groupID, token, key1, limit, skip, pass, unlock)
+	if err != nil {
+		return out, nil, err
+	}
+	var refused []int64
+	out, err = scanClaimedLines(rows, out, lineSinks{refused: &refused})
+	return out, refused, err
 }
 
 func split(fs []Fenced) ([]int64, []int64) {

@@ -778,8 +778,8 @@ func (s sqlite) claimNewOrdered(ctx context.Context, tx dbx.Querier, groupID int
 	return out, nil
 }
 
-func (sqlite) claimLocked(context.Context, dbx.Querier, int32, int64, int, int, int32, []int64, Due, []Claimed) ([]Claimed, error) {
-	return nil, errNoAdvisoryLocks
+func (sqlite) claimLocked(context.Context, dbx.Querier, int32, int64, int, int, int32, []int64, []int64, Due, []Claimed) ([]Claimed, []int64, error) {
+	return nil, nil, errNoAdvisoryLocks
 }
 
 // backendAlive: SQLite runs in the process, with no server process to look up.

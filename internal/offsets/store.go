@@ -85,19 +85,28 @@ func (s *Store) EnsureGroup(ctx context.Context, q dbx.Querier, group string, st
 }
 
 func scanClaimed(rows dbx.Rows, out []Claimed) ([]Claimed, error) {
-	return scanClaimedLines(rows, out, nil)
+	return scanClaimedLines(rows, out, lineSinks{})
 }
 
-// scanClaimedLines reads the lines of a claim statement into out; with floor, each line has
-// an eighth column, its Claimed.After, and a line of kind 3 gives *floor instead of a claim
-// (orderedClaimSQL's lines).
-func scanClaimedLines(rows dbx.Rows, out []Claimed, floor *int64) ([]Claimed, error) {
+// lineSinks take the lines of a claim statement that are no claims.
+type lineSinks struct {
+	// floor: each line has an eighth column, its Claimed.After, and a line of kind 3 gives
+	// *floor instead of a claim (orderedClaimSQL's lines).
+	floor *int64
+	// refused: a line of kind 4 is the unlock of its offset, appended to *refused if the
+	// session did not hold the lock (unlockLinesSQL).
+	refused *[]int64
+}
+
+// scanClaimedLines reads the lines of a claim statement into out, and those that are no
+// claims into sinks.
+func scanClaimedLines(rows dbx.Rows, out []Claimed, sinks lineSinks) ([]Claimed, error) {
 	defer rows.Close()
 	var c Claimed
 	var attempts, kind int64
 	var at float64
 	dest := []any{&c.Offset, &c.UUID, &c.Payload, &c.Metadata, &attempts, &kind, &at}
-	if floor != nil {
+	if sinks.floor != nil {
 		dest = append(dest, &c.After)
 	}
 	for rows.Next() {
@@ -105,8 +114,14 @@ func scanClaimedLines(rows dbx.Rows, out []Claimed, floor *int64) ([]Claimed, er
 		if err := rows.Scan(dest...); err != nil {
 			return out, err
 		}
-		if kind == 3 && floor != nil {
-			*floor = c.After
+		if kind == 3 && sinks.floor != nil {
+			*sinks.floor = c.After
+			continue
+		}
+		if kind == 4 && sinks.refused != nil {
+			if at == 0 {
+				*sinks.refused = append(*sinks.refused, c.Offset)
+			}
 			continue
 		}
 		c.Attempts, c.Again = int(attempts), kind == 0
