@@ -407,10 +407,17 @@ func (a *advisoryMode) await(d *delivery) {
 	sub.work.settling(d)
 	sub.settler.enqueue(d, op)
 	// The handler is done: its slot goes back now, so that a message claimed ahead goes to a
-	// handler while the settlement runs. The held token stays until the statement has run:
-	// the claims a subscription holds stay bounded by MaxInFlight plus what it claims ahead,
-	// and its locks by that plus the settled ones whose drop waits for the next claim (unlock).
+	// handler while the settlement runs. An ack's held token goes back too, while fewer than
+	// MaxInFlight acks settle so: the next claim does not wait for the ack's round trip. Its
+	// lock stays held until the statement has run, and is dropped after it (unlock): the locks
+	// of a subscription are bounded by 2 x MaxInFlight plus what it claims ahead, and the
+	// settled ones whose drop waits for the next claim for a few milliseconds. A nack keeps
+	// its token until it is applied, so that the message it makes due again is claimed before
+	// newer ones; so does an ack in a group ordered by key (see leaseMode.await).
 	sub.work.freeSlot(d)
+	if op == opAck && !sub.cfg.OrderByKey {
+		sub.work.freeTokenEarly(d)
+	}
 }
 
 // beginSettle counts a settlement in flight, unless Shutdown released the locks.

@@ -227,9 +227,11 @@ type SubscriberConfig struct {
 	// MaxInFlight bounds the messages of one subscription that are in handlers at once. A
 	// subscription also holds up to BatchSize more claimed ahead, handed out as handler slots
 	// free (and given back at once when it stops), and acks waiting for their batched
-	// statement. In advisory mode each of those claims holds a lock: a subscription holds at
-	// most MaxInFlight + BatchSize advisory locks, and, for a moment during an orphan
-	// search, the locks of up to 256 orphans beyond that, dropped at once. With 1, and one
+	// statement. In advisory mode each of those claims holds a lock, and an ack keeps its
+	// message's until its statement has run: a subscription holds at most
+	// 2 x MaxInFlight + BatchSize advisory locks, besides those of messages settled within
+	// the last few milliseconds (the next claim drops them) and, for a moment during an
+	// orphan search, the locks of up to 256 orphans, dropped at once. With 1, and one
 	// subscriber in the group, messages arrive in the commit order of their publishers, and
 	// nothing is claimed ahead. A handler that never returns keeps its place and (in lease
 	// mode, extended) its claim until Shutdown: the library cannot stop a goroutine, freeing

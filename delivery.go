@@ -30,6 +30,7 @@ type holding uint8
 const (
 	holdsToken holding = 1 << iota // a place among the claims held (MaxInFlight plus those held ahead)
 	holdsSlot                      // a handler slot (MaxInFlight)
+	holdsEarly                     // a place among the acks settling without a held token (MaxInFlight)
 )
 
 // delivery is one claimed message.
@@ -67,6 +68,7 @@ type workSet struct {
 
 	slots    chan struct{} // one token a message in a handler (MaxInFlight)
 	held     chan struct{} // one token a claim held: in a handler, queued for one, or settling
+	early    chan struct{} // one token an ack settling that gave its held token back (MaxInFlight)
 	prefetch int           // claims held beyond MaxInFlight, ready for the next free slot
 	msgCtx   context.Context
 
@@ -109,6 +111,7 @@ func newWorkSet(cfg *SubscriberConfig, msgCtx context.Context) *workSet {
 		byOffset: map[int64]*delivery{},
 		slots:    make(chan struct{}, cfg.MaxInFlight),
 		held:     make(chan struct{}, cfg.MaxInFlight+prefetch),
+		early:    make(chan struct{}, cfg.MaxInFlight),
 		prefetch: prefetch,
 		msgCtx:   msgCtx,
 	}
@@ -117,10 +120,9 @@ func newWorkSet(cfg *SubscriberConfig, msgCtx context.Context) *workSet {
 // prefetchFor is how many claims a subscription holds beyond MaxInFlight, so that a handler
 // slot that frees is filled from memory while the next claim runs, and claims can be large
 // (the consumers of a group take turns on its row: with small claims, four subscribers of
-// one group were bound by those turns). In the advisory mode every claim holds a lock, so
-// a subscription holds at most MaxInFlight + BatchSize locks (A6). None with MaxInFlight 1,
-// where order must hold across nacks (M3): a message claimed ahead would overtake one nacked
-// before it.
+// one group were bound by those turns). In the advisory mode each of them holds a lock (A6).
+// None with MaxInFlight 1, where order must hold across nacks (M3): a message claimed ahead
+// would overtake one nacked before it.
 func prefetchFor(c *SubscriberConfig) int {
 	if c.MaxInFlight == 1 {
 		return 0
@@ -247,6 +249,29 @@ func (w *workSet) freeToken(d *delivery) {
 	}
 }
 
+// freeTokenEarly gives back d's held token before its settlement has been applied, in
+// exchange for a token of its own kind (at most MaxInFlight), if one is free; d keeps that one
+// until it leaves the set. The claims held stay bounded as ever, and the deliveries settling
+// without a held token by MaxInFlight.
+func (w *workSet) freeTokenEarly(d *delivery) {
+	select {
+	case w.early <- struct{}{}:
+	default:
+		return
+	}
+	d.mu.Lock()
+	had := d.holds&holdsToken != 0
+	if had {
+		d.holds = d.holds&^holdsToken | holdsEarly
+	}
+	d.mu.Unlock()
+	if had {
+		<-w.held
+	} else {
+		<-w.early
+	}
+}
+
 func (w *workSet) drop(d *delivery, h holding) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -272,6 +297,9 @@ func (w *workSet) removeAll(ds []*delivery, cause error) {
 	for _, d := range ds {
 		w.freeSlot(d)
 		w.freeToken(d)
+		if w.drop(d, holdsEarly) {
+			<-w.early
+		}
 		d.mu.Lock()
 		if d.state != stateLost {
 			d.state = stateDone // a lost one stays lost: AckInTx tells its handler so

@@ -92,3 +92,34 @@ func TestWorkSet_L4_expiredHeldAheadIsLost(t *testing.T) {
 	lost, _ = w.expire(d, true)
 	assert.True(t, lost, "a lease does")
 }
+
+// An ack may give its held token back before its statement has run in exchange for an early
+// one (the advisory mode), but no more than MaxInFlight at once: the others keep their held
+// token. Each early token goes back once, when its delivery leaves the set.
+func TestWorkSet_earlyTokensBounded(t *testing.T) {
+	cfg := &SubscriberConfig{MaxInFlight: 2, BatchSize: 2}
+	w := newWorkSet(cfg, context.Background())
+	ds := []*delivery{testDelivery(1), testDelivery(2), testDelivery(3)}
+	for range ds {
+		require.True(t, w.tryToken())
+	}
+	w.add(ds)
+	for _, d := range ds {
+		w.freeTokenEarly(d)
+	}
+	assert.Equal(t, 2, len(w.early), "early tokens beyond MaxInFlight")
+	assert.Equal(t, 1, len(w.held), "the ack with no early token left keeps its held token")
+	w.freeTokenEarly(ds[0]) // it holds no held token any more: nothing changes
+	assert.Equal(t, 2, len(w.early))
+	assert.Equal(t, 1, len(w.held))
+
+	w.remove(ds[0], context.Canceled)
+	w.remove(ds[0], context.Canceled)
+	assert.Equal(t, 1, len(w.early), "the early token given back once, at the removal")
+	w.freeTokenEarly(ds[2])
+	assert.Equal(t, 2, len(w.early))
+	assert.Equal(t, 0, len(w.held))
+	w.removeAll(ds[1:], context.Canceled)
+	assert.Equal(t, 0, len(w.early))
+	assert.Equal(t, 0, len(w.held))
+}

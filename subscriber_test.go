@@ -539,8 +539,9 @@ func TestSubscriber_M3_handlersBoundedClaimsAheadGivenBack(t *testing.T) {
 	assert.Equal(t, int64(1), sub.Stats().Acked)
 }
 
-// In advisory mode the claims held ahead hold their locks too: MaxInFlight + BatchSize locks
-// at most (A6), every one of them a claim row of the subscription. Shutdown gives back those
+// In advisory mode the claims held ahead hold their locks too: with no ack waiting for its
+// statement, MaxInFlight + BatchSize locks at most (A6), every one of them a claim row of the
+// subscription. Shutdown gives back those
 // held ahead and drops their locks, then releases the locks of those in handlers (S5), so
 // nothing stays locked, and LocksReleased counts both (S9).
 func TestSubscriber_A6_advisoryLocksBoundedClaimsAheadGivenBack(t *testing.T) {

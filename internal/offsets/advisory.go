@@ -45,7 +45,7 @@ func (s *Store) ClaimLocked(ctx context.Context, q dbx.Querier, groupID int32, t
 
 // ClaimLockedPassing is ClaimLocked that passes up to pass delayed messages besides the limit
 // it may claim, as ClaimPassing does, and that also drops the session's locks (under key1) of
-// the offsets in unlock, after the locks it tried (see unlockLinesSQL). It returns the offsets
+// the offsets in unlock, after the locks it tried (see unlockStepSQL). It returns the offsets
 // of unlock whose lock the session did not hold; the others' locks it dropped. If it fails,
 // some of those locks may be dropped and others not: ask the session which it holds.
 func (s *Store) ClaimLockedPassing(ctx context.Context, q dbx.Querier, groupID int32, token int64, limit, pass int, key1 int32, skip, unlock []int64, due Due, out []Claimed) ([]Claimed, []int64, error) {

@@ -169,24 +169,29 @@ func moveOutSQL(claims string) string {
 )`
 }
 
-// unlockLinesSQL is the last branch of the advisory claim's result: it drops the session's
-// locks of the offsets in $7 (settled claims' locks, whose drop the subscriber left to its
-// next claim on the lock connection) and returns, for each, a line of kind 4 whose last
-// column is 1 if the session held the lock. Lines of a UNION ALL are all read, and the claim
+// unlockStepSQL and unlockLinesSQL drop the session's locks of the offsets in $7 (settled
+// claims' locks, whose drop the subscriber left to its next claim on the lock connection):
+// unl unlocks each, and the last branch of the claim's result returns a line of kind 4 for
+// each offset whose lock the session did not hold. The branch reads unl whole, and the claim
 // reads every line of its result: the function runs once for every element of $7, whatever
 // the claim took, after the locks the claim tried. A lock dropped here and taken again by the
 // same statement (a nacked message due again at once) stays held once: session locks count
 // their holds. $7 is read through a subquery, as $5 is (see cand).
-const unlockLinesSQL = `
+const (
+	unlockStepSQL = `, unl AS MATERIALIZED (
+	SELECT u.o, pg_advisory_unlock($3::int4, (u.o::bit(32))::int4) AS held
+	FROM unnest((SELECT $7::bigint[])::bigint[]) AS u(o)
+)`
+	unlockLinesSQL = `
 	UNION ALL
-	SELECT u.o, '', ''::bytea, '{}'::jsonb, 0, 4, u.o, pg_advisory_unlock($3::int4, (u.o::bit(32))::int4)::int::float8
-	FROM unnest((SELECT $7::bigint[])::bigint[]) AS u(o)`
+	SELECT unl.o, '', ''::bytea, '{}'::jsonb, 0, 4, unl.o, 0::float8 FROM unl WHERE NOT unl.held`
+)
 
 // claimSQL builds the claim statements. One round trip claims up to $4 messages for group $1
 // under token $2 (parameters: lease mode $3 the lease in ms, $5 the delayed messages it may
 // pass; advisory mode $3 the lock key1, $5 the offsets whose locks the session holds already,
 // $6 the delayed messages it may pass, $7 the offsets whose locks it drops, see
-// unlockLinesSQL):
+// unlockStepSQL):
 //   - d0, d1, due (not with DueNone): rows of the group that are due again (with DueAll:
 //     their lease ran out; with DueGivenBack or DueAll: they were nacked or released and their
 //     backoff passed, or are delayed messages whose time came), lowest offsets first; SKIP
@@ -205,8 +210,9 @@ const unlockLinesSQL = `
 //     claimed, under the token, with the lease (the advisory mode: 'infinity'), one per attempt
 //     count; a row per delayed message, due at its time with no holder (attempt 0); in the
 //     advisory mode, one row due at once for the new messages whose lock was not taken.
-//   - upd and the final SELECT: see claimTailSQL; in the advisory mode, the unlocks of $7 are
-//     its last lines (unlockLinesSQL).
+//   - advisory mode only: unl, the unlocks of $7, whose refusals are the result's last lines
+//     (unlockStepSQL).
+//   - upd and the final SELECT: see claimTailSQL.
 //
 // No parameter is used in an expression evaluated per row: the lease deadline is computed
 // once, in a subquery. The server keeps a generic plan of a prepared statement only if it
@@ -286,6 +292,7 @@ func claimSQL(t Tables, with, cond string, due Due, locked bool) string {
 	b = append(b, "\n\t"+mergeOffsetsSQL+"\n)"...)
 	more := ""
 	if locked {
+		b = append(b, unlockStepSQL...)
 		more = unlockLinesSQL
 	}
 	b = fmt.Appendf(b, claimTailSQL(newHeld, more), t.Groups, t.Messages)

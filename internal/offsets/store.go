@@ -93,8 +93,8 @@ type lineSinks struct {
 	// floor: each line has an eighth column, its Claimed.After, and a line of kind 3 gives
 	// *floor instead of a claim (orderedClaimSQL's lines).
 	floor *int64
-	// refused: a line of kind 4 is the unlock of its offset, appended to *refused if the
-	// session did not hold the lock (unlockLinesSQL).
+	// refused: a line of kind 4 is an offset whose lock the claim was to drop and the
+	// session did not hold (unlockStepSQL), appended to *refused.
 	refused *[]int64
 }
 
@@ -119,9 +119,7 @@ func scanClaimedLines(rows dbx.Rows, out []Claimed, sinks lineSinks) ([]Claimed,
 			continue
 		}
 		if kind == 4 && sinks.refused != nil {
-			if at == 0 {
-				*sinks.refused = append(*sinks.refused, c.Offset)
-			}
+			*sinks.refused = append(*sinks.refused, c.Offset)
 			continue
 		}
 		c.Attempts, c.Again = int(attempts), kind == 0
