@@ -691,6 +691,30 @@ func createTables(t testing.TB, ctx context.Context) (offsets.Tables, *pgxpool.P
 	return tables, pool, db
 }
 
+// planModeConn opens a connection of its own whose prepared statements run under mode
+// (plan_cache_mode), closed when the test ends.
+func planModeConn(t *testing.T, ctx context.Context, mode string) *pgx.Conn {
+	t.Helper()
+	conn, err := pgx.Connect(ctx, testdb.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	if _, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode); err != nil {
+		t.Fatal(err)
+	}
+	return conn
+}
+
+// lockByHand takes, on conn's session, the advisory lock a claim would take for offset o.
+func lockByHand(t *testing.T, ctx context.Context, conn *pgx.Conn, key1 int32, o int64) {
+	t.Helper()
+	var ok bool
+	if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1::int4, ($2::bigint::bit(32))::int4)", key1, o).Scan(&ok); err != nil || !ok {
+		t.Fatalf("lock of offset %d: %v %v", o, ok, err)
+	}
+}
+
 // TestClaimLockedSkipsHeldLocks checks that the advisory claim never takes again a lock its
 // session holds already (its $5): session locks are re-entrant, so a lock taken twice stays
 // held after the one unlock its settlement makes, for as long as the session lives. The
@@ -709,14 +733,7 @@ func TestClaimLockedSkipsHeldLocks(t *testing.T) {
 				t.Fatal(err)
 			}
 			testdb.WaitHorizon(t, ctx, db, tables.Messages)
-			conn, err := pgx.Connect(ctx, testdb.URL())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer conn.Close(context.Background())
-			if _, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode); err != nil {
-				t.Fatal(err)
-			}
+			conn := planModeConn(t, ctx, mode)
 			q := dbx.PgxConn(conn)
 			gid, err := store.EnsureGroup(ctx, q, "g", false)
 			if err != nil {
@@ -727,10 +744,7 @@ func TestClaimLockedSkipsHeldLocks(t *testing.T) {
 			if err := conn.QueryRow(ctx, `SELECT min("offset") FROM `+tables.Messages).Scan(&first); err != nil {
 				t.Fatal(err)
 			}
-			var ok bool
-			if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1::int4, $2::int4)", key1, first).Scan(&ok); err != nil || !ok {
-				t.Fatalf("lock of the first message: %v %v", ok, err)
-			}
+			lockByHand(t, ctx, conn, key1, first)
 			cs, err := store.ClaimLocked(ctx, q, gid, 1<<61, 3, key1, []int64{first}, offsets.DueNone, nil)
 			if err != nil {
 				t.Fatal(err)
@@ -739,7 +753,7 @@ func TestClaimLockedSkipsHeldLocks(t *testing.T) {
 				t.Fatalf("claimed %d messages, want the 2 whose locks were free", len(cs))
 			}
 			// One unlock for the one lock taken by hand; a second one finds nothing to drop.
-			var again bool
+			var ok, again bool
 			if err := conn.QueryRow(ctx, "SELECT pg_advisory_unlock($1::int4, $2::int4), pg_advisory_unlock($1::int4, $2::int4)", key1, first).Scan(&ok, &again); err != nil {
 				t.Fatal(err)
 			}
@@ -764,14 +778,7 @@ func TestClaimLockedDropsSettledLocks(t *testing.T) {
 			defer cancel()
 			tables, _, db := createTables(t, ctx)
 			store := offsets.NewStore(tables, true)
-			conn, err := pgx.Connect(ctx, testdb.URL())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer conn.Close(context.Background())
-			if _, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode); err != nil {
-				t.Fatal(err)
-			}
+			conn := planModeConn(t, ctx, mode)
 			q := dbx.PgxConn(conn)
 			gid, err := store.EnsureGroup(ctx, q, "g", false)
 			if err != nil {
@@ -787,12 +794,8 @@ func TestClaimLockedDropsSettledLocks(t *testing.T) {
 				return n
 			}
 			// Two settled messages' locks, held by hand; 1<<40+3 is not held.
-			for _, o := range []int64{1 << 40, 1<<40 + 1} {
-				var ok bool
-				if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1::int4, ($2::bigint::bit(32))::int4)", key1, o).Scan(&ok); err != nil || !ok {
-					t.Fatalf("lock of %d: %v %v", o, ok, err)
-				}
-			}
+			lockByHand(t, ctx, conn, key1, 1<<40)
+			lockByHand(t, ctx, conn, key1, 1<<40+1)
 			// Nothing to claim: the unlocks run all the same.
 			cs, refused, err := store.ClaimLockedPassing(ctx, q, gid, 1<<61, 3, 0, key1, nil, []int64{1 << 40, 1<<40 + 1, 1<<40 + 3}, offsets.DueNone, nil)
 			if err != nil {
@@ -814,10 +817,7 @@ func TestClaimLockedDropsSettledLocks(t *testing.T) {
 			if err := conn.QueryRow(ctx, `SELECT min("offset") FROM `+tables.Messages).Scan(&first); err != nil {
 				t.Fatal(err)
 			}
-			var ok bool
-			if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1::int4, ($2::bigint::bit(32))::int4)", key1, first).Scan(&ok); err != nil || !ok {
-				t.Fatalf("lock of the message: %v %v", ok, err)
-			}
+			lockByHand(t, ctx, conn, key1, first)
 			cs, refused, err = store.ClaimLockedPassing(ctx, q, gid, 1<<61, 3, 0, key1, nil, []int64{first}, offsets.DueNone, nil)
 			if err != nil {
 				t.Fatal(err)
