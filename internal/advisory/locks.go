@@ -222,10 +222,10 @@ func (c *Conn) refused(offsets []int64) {
 
 // DeferUnlock leaves the drop of the locks of the offsets taken under generation gen to the
 // next Claim, which drops them in its own statement, or, if no Claim starts within
-// Options.DeferFlush, to an unlock statement of their own: a subscriber that settles while it claims
-// saves the round trip of an unlock. Offsets this Conn does not hold under gen are skipped.
-// Until they are dropped, the locks count in Held and CloseContext drops them without
-// counting them.
+// Options.DeferFlush, to an unlock statement of their own: a subscriber that settles while
+// it claims saves the round trip of an unlock. Offsets this Conn does not hold under gen are
+// skipped. Until they are dropped, the locks count in Held, and CloseContext drops them
+// without counting them.
 func (c *Conn) DeferUnlock(offsets []int64, gen uint64) {
 	c.mu.Lock()
 	if c.conn == nil || gen != c.gen || c.closed {
