@@ -277,7 +277,11 @@ func (c *Conn) CloseContext(ctx context.Context) (released int, closed bool, err
 	// The locks of settled claims whose drop DeferUnlock left to a later statement are dropped
 	// first, and not counted as released by the close. A failure that loses the connection
 	// empties the bookkeeping: the unlock below then has nothing to do.
-	_, lostSettled, _ := c.unlock(conn, settled)
+	_, lostSettled, serr := c.unlock(conn, settled)
+	if serr != nil {
+		c.opt.Logger.Error("Dropping the locks of settled claims at close failed; closing the connection frees them", serr,
+			watermill.LogFields{"key1": c.opt.Key1, "locks": len(settled)})
+	}
 	c.mu.Lock()
 	all := make([]int64, 0, len(c.held))
 	for o := range c.held {

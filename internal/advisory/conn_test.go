@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"os"
 	"testing"
 	"time"
@@ -124,6 +125,35 @@ func TestConn_deferredUnlocks(t *testing.T) {
 		released, closed := c.Close()
 		assert.True(t, closed)
 		assert.Zero(t, released, "a settled message's lock counted as released by Close")
+		assert.Zero(t, locksOf(t, pool, key1))
+	})
+
+	t.Run("a claim that fails after dropping them", func(t *testing.T) {
+		key1 := advisory.Key1(`"conn_test_deferred"`, t.Name())
+		c, err := advisory.Open(context.Background(), dbx.NewPgxPool(pool), advisory.Options{Key1: key1, DeferFlush: time.Hour})
+		require.NoError(t, err)
+		_, gen, err := c.TryLock(context.Background(), []int64{1, 2, 3})
+		require.NoError(t, err)
+		c.DeferUnlock([]int64{1, 2}, gen)
+		// The statement drops one of them, takes a lock of its own, then fails: the session
+		// stays, and the bookkeeping and the server agree again.
+		_, err = c.Claim(context.Background(), func(ctx context.Context, q dbx.Querier, _, unlock []int64) ([]int64, []int64, error) {
+			if _, err := unlockAll(ctx, q, key1, unlock[:1]); err != nil {
+				return nil, nil, err
+			}
+			var ok bool
+			if err := dbx.QueryRow(ctx, q, `SELECT pg_try_advisory_lock($1::int4, 9)`, []any{key1}, &ok); err != nil || !ok {
+				return nil, nil, fmt.Errorf("lock 9: %v %w", ok, err)
+			}
+			_, err := q.Exec(ctx, `SELECT 1/0`)
+			return nil, nil, err
+		})
+		require.Error(t, err)
+		assert.Equal(t, uint64(gen), c.Gen(), "the connection was kept")
+		assert.Equal(t, 1, c.Held())
+		assert.Equal(t, 1, locksOf(t, pool, key1), "a lock left that the bookkeeping does not hold")
+		released, _ := c.Close()
+		assert.Equal(t, 1, released)
 		assert.Zero(t, locksOf(t, pool, key1))
 	})
 
