@@ -8,7 +8,7 @@ import (
 // Dialect says what a database can do. Code above this package asks it for a capability and
 // never names the database; internal/offsets picks its statements by it, once.
 type Dialect struct {
-	// Name names the database in messages: "PostgreSQL" or "SQLite".
+	// Name names the database in messages: "PostgreSQL", "SQLite" or "MySQL".
 	Name string
 	// Notify: NOTIFY exists, so a pool that is Listenable can wake other processes' subscribers.
 	Notify bool
@@ -37,6 +37,9 @@ var (
 	// SQLite is SQLite through modernc.org/sqlite, whose SQLITE_MAX_VARIABLE_NUMBER is the
 	// default 32766.
 	SQLite = Dialect{Name: "SQLite", OrderedClaims: true, InProcess: true, MaxParams: 32766}
+	// MySQL is MySQL 8 or MariaDB 10.6 and newer, through database/sql and
+	// github.com/go-sql-driver/mysql: a prepared statement counts its parameters in 16 bits.
+	MySQL = Dialect{Name: "MySQL", BackendPIDs: true, MaxParams: 65535}
 )
 
 // dialected is a pool, connection or transaction that says its dialect.

@@ -20,6 +20,9 @@ func SQLState(err error) string {
 	if errors.As(err, &pqErr) {
 		return string(pqErr.Code)
 	}
+	if n := MySQLErrorNumber(err); n != 0 {
+		return mysqlState(n)
+	}
 	var ie *InterruptedError
 	if errors.As(err, &ie) {
 		return CodeQueryCanceled
@@ -36,9 +39,11 @@ const sqliteError = 1
 
 // Error codes the library branches on.
 const (
-	CodeUndefinedTable = "42P01"
-	CodeQueryCanceled  = "57014"
-	CodeCheckViolation = "23514" // also: no partition of a partitioned table takes the row
+	CodeUndefinedTable  = "42P01"
+	CodeQueryCanceled   = "57014"
+	CodeCheckViolation  = "23514" // also: no partition of a partitioned table takes the row
+	CodeDeadlock        = "40P01"
+	CodeUniqueViolation = "23505"
 )
 
 // StatementFailed reports whether err is the server's error for one statement (severity
@@ -54,6 +59,9 @@ func StatementFailed(err error) bool {
 			sev = pgErr.Severity
 		}
 		return sev == "ERROR"
+	}
+	if MySQLErrorNumber(err) != 0 {
+		return true // an error packet of the server answers one statement
 	}
 	var pqErr *pq.Error
 	if errors.As(err, &pqErr) {

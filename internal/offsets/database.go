@@ -9,12 +9,14 @@ import (
 
 // database is the SQL of one database: every statement of a topic's tables whose text or steps
 // differ between databases. Each implementation lives in the file named for its database
-// (postgres.go, sqlite.go) and is picked once, by databaseOf, when the tables are named; the
+// (postgres.go, sqlite.go, mysql.go) and is picked once, by databaseOf, when the tables are named; the
 // rest of the package never names a database.
 type database interface {
 	dialect() dbx.Dialect
 	// tableName names a table of topic (see ident.TableName).
 	tableName(prefix, topic, suffix string) string
+	// quote quotes the table name for SQL text, schema-qualified when schema is not "".
+	quote(schema, name string) string
 
 	// Schema: the DDL of t, running it under the database's serialisation of creators
 	// (upgrading tables of the version before), and checking existing tables (M7).
@@ -51,6 +53,10 @@ type database interface {
 	// is deliverAt's value of the row's time, or nil), and with channel, where the database
 	// has NOTIFY, notifies it in the same statement.
 	insertSQL(n int, channel string, delayed bool) string
+	// appending runs fn, which writes messages of the topic on the querier it is given, as
+	// the database needs it: on MySQL in a transaction that holds the topic's head row (see
+	// mysql.go), elsewhere on q as it is.
+	appending(ctx context.Context, q dbx.Querier, fn func(dbx.Querier) error) error
 	deliverAt(at time.Time) any
 	notify(ctx context.Context, q dbx.Querier, channel, payload string) error
 
@@ -85,8 +91,11 @@ type database interface {
 
 // databaseOf picks the statements of the database d describes: the one place that does.
 func databaseOf(d dbx.Dialect) database {
-	if d == dbx.SQLite {
+	switch d {
+	case dbx.SQLite:
 		return sqlite{}
+	case dbx.MySQL:
+		return mysql{}
 	}
 	return postgres{}
 }

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/sqlbroker/watermill-sqlbroker/internal/dbx"
-	"github.com/sqlbroker/watermill-sqlbroker/internal/ident"
 )
 
 // KeyTable names a key repository's table and holds its statements.
@@ -25,7 +24,8 @@ type KeyTable struct {
 // NewKeyTable names a key table in a database of dialect d. schema and name must already be
 // validated; schema is "" where the database has no schemas.
 func NewKeyTable(d dbx.Dialect, schema, name string) KeyTable {
-	return KeyTable{Name: name, Table: ident.Qualified(schema, name), schema: schema, db: databaseOf(d)}
+	db := databaseOf(d)
+	return KeyTable{Name: name, Table: db.quote(schema, name), schema: schema, db: db}
 }
 
 // SchemaSQL is the idempotent DDL of the table.

@@ -49,6 +49,12 @@ type pgTopic struct {
 
 func (postgres) dialect() dbx.Dialect { return dbx.Postgres }
 
+func (postgres) quote(schema, name string) string { return ident.Qualified(schema, name) }
+
+func (postgres) appending(ctx context.Context, q dbx.Querier, fn func(dbx.Querier) error) error {
+	return fn(q)
+}
+
 func (postgres) tableName(prefix, topic, suffix string) string {
 	return ident.TableName(prefix, topic, suffix)
 }

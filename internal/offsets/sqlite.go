@@ -41,6 +41,12 @@ type sqlite struct{ *sqliteTopic }
 
 func (sqlite) dialect() dbx.Dialect { return dbx.SQLite }
 
+func (sqlite) quote(schema, name string) string { return ident.Qualified(schema, name) }
+
+func (sqlite) appending(ctx context.Context, q dbx.Querier, fn func(dbx.Querier) error) error {
+	return fn(q)
+}
+
 // tableName: SQLite compares table names without regard to case, even quoted, so the names of
 // a topic with an upper-case letter carry a hash of the topic (see ident.SQLiteTableName):
 // "Orders" and "orders" keep tables of their own. An all-lower-case topic's names are those of

@@ -328,6 +328,10 @@ func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''
 // is not "" and the database has NOTIFY. Callers that need all-or-none for more rows than one
 // statement holds (OneStatement) run it inside a transaction.
 func (s *Store) Insert(ctx context.Context, q dbx.Querier, rows []Row, channel string) error {
+	return s.db.appending(ctx, q, func(q dbx.Querier) error { return s.insert(ctx, q, rows, channel) })
+}
+
+func (s *Store) insert(ctx context.Context, q dbx.Querier, rows []Row, channel string) error {
 	for len(rows) > 0 {
 		n, delayed := s.nextInsert(rows)
 		args := make([]any, 0, n*4)

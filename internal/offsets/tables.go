@@ -100,9 +100,9 @@ func (t Tables) On(d dbx.Dialect) Tables {
 	t.MessagesName = t.db.tableName(t.prefix, t.Topic, "_messages")
 	t.GroupsName = t.db.tableName(t.prefix, t.Topic, "_groups")
 	t.ClaimsName = t.db.tableName(t.prefix, t.Topic, "_claims")
-	t.Messages = ident.Qualified(t.Schema, t.MessagesName)
-	t.Groups = ident.Qualified(t.Schema, t.GroupsName)
-	t.Claims = ident.Qualified(t.Schema, t.ClaimsName)
+	t.Messages = t.db.quote(t.Schema, t.MessagesName)
+	t.Groups = t.db.quote(t.Schema, t.GroupsName)
+	t.Claims = t.db.quote(t.Schema, t.ClaimsName)
 	return t
 }
 

@@ -95,6 +95,9 @@ func Close() {
 	if stdDB != nil {
 		_ = stdDB.Close()
 	}
+	if mysqlDB != nil {
+		_ = mysqlDB.Close()
+	}
 }
 
 // Eventually polls cond every 10ms until it holds or timeout passes.

@@ -1,0 +1,217 @@
+package dbx
+
+// MySQL and MariaDB through database/sql (the driver github.com/go-sql-driver/mysql, which
+// the program imports; this package does not).
+//
+// Every transaction of the library runs at READ COMMITTED, whatever the session's default
+// (REPEATABLE READ on both servers): each statement then sees the rows committed before it,
+// and a locking read of a range takes no gap lock, which would hold back the publishers that
+// append to it. A statement is cancelled on the server with KILL QUERY, sent through another
+// connection of the pool, after which the connection stays usable.
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"reflect"
+	"sync"
+)
+
+// MySQLPool is a database/sql pool of MySQL or MariaDB.
+type MySQLPool struct {
+	stdQ
+	DB *sql.DB
+}
+
+// NewMySQLPool wraps db, a pool of the driver github.com/go-sql-driver/mysql.
+func NewMySQLPool(db *sql.DB) *MySQLPool { return &MySQLPool{stdQ: stdQ{db}, DB: db} }
+
+func (p *MySQLPool) Dialect() Dialect { return MySQL }
+func (p *MySQLPool) Driver() string   { return "mysql" }
+func (p *MySQLPool) OpenConns() int   { return p.DB.Stats().OpenConnections }
+func (p *MySQLPool) Close()           { _ = p.DB.Close() }
+
+// readCommitted are the options of every transaction the library begins.
+var readCommitted = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
+
+func (p *MySQLPool) Begin(ctx context.Context) (Tx, error) {
+	tx, err := p.DB.BeginTx(ctx, readCommitted)
+	if err != nil {
+		return nil, err
+	}
+	return mysqlTx{stdTx{stdQ{tx}, tx}}, nil
+}
+
+func (p *MySQLPool) Acquire(ctx context.Context) (Conn, error) {
+	c, err := p.DB.Conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &mysqlConn{stdQ: stdQ{c}, c: c, pool: p.DB}, nil
+}
+
+// Dedicated takes a connection from the pool, as StdPool's does; its session state never
+// goes back to the pool (Destroy).
+func (p *MySQLPool) Dedicated(ctx context.Context) (Conn, error) {
+	release, err := reserveDedicated(p.DB)
+	if err != nil {
+		return nil, err
+	}
+	c, err := p.Acquire(ctx)
+	if err != nil {
+		release()
+		return nil, err
+	}
+	mc := c.(*mysqlConn)
+	mc.dedicated, mc.unreserve = true, release
+	return mc, nil
+}
+
+// mysqlConn is one connection of a MySQLPool.
+type mysqlConn struct {
+	stdQ
+	c         *sql.Conn
+	pool      *sql.DB
+	dedicated bool
+	unreserve func()
+
+	mu  sync.Mutex
+	pid uint32
+}
+
+func (c *mysqlConn) Dialect() Dialect { return MySQL }
+
+func (c *mysqlConn) Begin(ctx context.Context) (Tx, error) {
+	tx, err := c.c.BeginTx(ctx, readCommitted)
+	if err != nil {
+		return nil, err
+	}
+	return mysqlTx{stdTx{stdQ{tx}, tx}}, nil
+}
+
+// PID is the connection's CONNECTION_ID(), asked once.
+func (c *mysqlConn) PID(ctx context.Context) (uint32, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.pid != 0 {
+		return c.pid, nil
+	}
+	var id int64
+	if err := QueryRow(ctx, c.stdQ, "SELECT CONNECTION_ID()", nil, &id); err != nil {
+		return 0, err
+	}
+	c.pid = uint32(id)
+	return c.pid, nil
+}
+
+// Cancel ends the statement running now on the connection with KILL QUERY, sent through
+// another connection of the pool: the statement returns the server's error 1317 (query
+// execution was interrupted) and the connection stays usable. The connection's id must have
+// been read before (PID): reading it now would wait for the statement to end.
+func (c *mysqlConn) Cancel(ctx context.Context) (bool, error) {
+	c.mu.Lock()
+	pid := c.pid
+	c.mu.Unlock()
+	if pid == 0 {
+		return false, errors.New("dbx: the connection's id is not known")
+	}
+	_, err := c.pool.ExecContext(ctx, "KILL QUERY ?", int64(pid))
+	return false, err
+}
+
+func (c *mysqlConn) Release() {
+	if c.dedicated {
+		c.Destroy()
+		return
+	}
+	_ = c.c.Close()
+}
+
+func (c *mysqlConn) Destroy() {
+	_ = c.c.Raw(func(any) error { return driver.ErrBadConn })
+	_ = c.c.Close()
+	if c.unreserve != nil {
+		c.unreserve()
+		c.unreserve = nil
+	}
+}
+
+// mysqlTx is a transaction the library began.
+type mysqlTx struct{ stdTx }
+
+func (mysqlTx) Dialect() Dialect { return MySQL }
+
+// MySQLCallerTx is a caller's transaction on MySQL or MariaDB.
+type MySQLCallerTx struct{ stdQ }
+
+// NewMySQLCallerTx wraps a caller's transaction.
+func NewMySQLCallerTx(tx *sql.Tx) MySQLCallerTx { return MySQLCallerTx{stdQ{tx}} }
+
+func (MySQLCallerTx) Dialect() Dialect { return MySQL }
+
+// InTransaction reports whether q runs its statements inside a transaction already: one the
+// library began, or a caller's; a pool or a connection runs each statement by itself.
+func InTransaction(q Querier) bool {
+	_, begins := q.(Beginner)
+	return !begins
+}
+
+// MySQL error numbers the library branches on.
+const (
+	mysqlNoSuchTable      = 1146
+	mysqlLockWaitTimeout  = 1205
+	mysqlDeadlock         = 1213
+	mysqlQueryInterrupted = 1317
+	mysqlStatementTimeout = 1969 // MariaDB's max_statement_time
+	mysqlExecutionTimeout = 3024 // MySQL's max_execution_time
+	mysqlDuplicateKey     = 1062
+)
+
+// MySQLErrorNumber is the server's error number carried by err (the driver's *MySQLError,
+// read by its field Number, so that this package does not import the driver), or 0.
+func MySQLErrorNumber(err error) uint16 {
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		v := reflect.ValueOf(e)
+		for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
+			if v.IsNil() {
+				break
+			}
+			v = v.Elem()
+		}
+		if v.Kind() != reflect.Struct || v.Type().Name() != "MySQLError" {
+			continue
+		}
+		if f := v.FieldByName("Number"); f.IsValid() && f.Kind() == reflect.Uint16 {
+			return uint16(f.Uint())
+		}
+	}
+	return 0
+}
+
+// mysqlState maps a MySQL error number to the code SQLState gives.
+func mysqlState(n uint16) string {
+	switch n {
+	case mysqlNoSuchTable:
+		return CodeUndefinedTable
+	case mysqlQueryInterrupted, mysqlStatementTimeout, mysqlExecutionTimeout:
+		return CodeQueryCanceled
+	case mysqlLockWaitTimeout:
+		return CodeLockNotAvailable
+	case mysqlDeadlock:
+		return CodeDeadlock
+	case mysqlDuplicateKey:
+		return CodeUniqueViolation
+	}
+	return ""
+}
+
+// Retryable reports whether err ended a MySQL transaction that can be run again as it was:
+// the victim of a deadlock, or a lock wait that timed out.
+func Retryable(err error) bool {
+	switch MySQLErrorNumber(err) {
+	case mysqlDeadlock, mysqlLockWaitTimeout:
+		return true
+	}
+	return false
+}

@@ -1,0 +1,52 @@
+package testdb
+
+import (
+	"context"
+	"database/sql"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	_ "github.com/go-sql-driver/mysql" // the MySQL driver under test
+)
+
+// DefaultMySQLDSN is the MySQL or MariaDB test database when SQLBROKER_TEST_MYSQL_DSN is not
+// set (the driver's DSN form).
+const DefaultMySQLDSN = "root@tcp(127.0.0.1:3306)/test?interpolateParams=true"
+
+// MySQLDSN is the MySQL test database's DSN.
+func MySQLDSN() string {
+	if d := os.Getenv("SQLBROKER_TEST_MYSQL_DSN"); d != "" {
+		return d
+	}
+	return DefaultMySQLDSN
+}
+
+var (
+	mysqlOnce sync.Once
+	mysqlDB   *sql.DB
+	mysqlErr  error
+)
+
+// MySQL returns a pool of the MySQL test database shared by the tests of a package (closed
+// by Close).
+func MySQL(t testing.TB) *sql.DB {
+	t.Helper()
+	mysqlOnce.Do(func() {
+		mysqlDB, mysqlErr = sql.Open("mysql", MySQLDSN())
+		if mysqlErr != nil {
+			return
+		}
+		mysqlDB.SetMaxOpenConns(60)
+		mysqlDB.SetMaxIdleConns(60)
+		mysqlDB.SetConnMaxIdleTime(5 * time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		mysqlErr = mysqlDB.PingContext(ctx)
+	})
+	if mysqlErr != nil {
+		t.Fatalf("MySQL test database %s: %v (start it, or set SQLBROKER_TEST_MYSQL_DSN)", MySQLDSN(), mysqlErr)
+	}
+	return mysqlDB
+}
