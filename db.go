@@ -12,8 +12,8 @@ import (
 )
 
 // DB is the database a Publisher or Subscriber works through: the caller's pool, wrapped by
-// Pgx, StdSQL or SQLite, or, for a Publisher only, the caller's transaction, wrapped by
-// PgxTx, StdTx or SQLiteTx; or the pool of a Broker (Broker.DB). The library never closes a
+// Pgx, StdSQL, SQLite or MySQL, or, for a Publisher only, the caller's transaction, wrapped by
+// PgxTx, StdTx, SQLiteTx or MySQLTx; or the pool of a Broker (Broker.DB). The library never closes a
 // pool the caller passed in.
 type DB struct {
 	pool dbx.Pool    // set for a pool
@@ -60,7 +60,32 @@ func stdSQL(db *sql.DB, name string, wrap func(*sql.DB) *dbx.StdPool) DB {
 		return DB{err: &ConfigError{Field: "db", Value: "a database/sql pool of the driver " + driver,
 			Reason: "is SQLite's: use sqlbroker.SQLite, not sqlbroker." + name + ", which speaks PostgreSQL"}}
 	}
+	if driver, ok := mysqlDriver(db); ok {
+		return DB{err: &ConfigError{Field: "db", Value: "a database/sql pool of the driver " + driver,
+			Reason: "is MySQL's: use sqlbroker.MySQL, not sqlbroker." + name + ", which speaks PostgreSQL"}}
+	}
 	return DB{pool: wrap(db)}
+}
+
+// driverName is the Go type of db's driver, as package path and type name ("" when db has
+// none): a registered name is the program's choice, the type is the driver's.
+func driverName(db *sql.DB) string {
+	d := db.Driver()
+	if d == nil {
+		return ""
+	}
+	t := reflect.TypeOf(d)
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	return t.PkgPath() + "." + t.Name()
+}
+
+// mysqlDriver reports whether db's driver is a MySQL driver (github.com/go-sql-driver/mysql's
+// *mysql.MySQLDriver), and names it.
+func mysqlDriver(db *sql.DB) (string, bool) {
+	name := driverName(db)
+	return name, strings.Contains(strings.ToLower(name), "mysql")
 }
 
 // sqliteDriver reports whether db's driver is a SQLite driver, and names it. It reads the
@@ -68,15 +93,7 @@ func stdSQL(db *sql.DB, name string, wrap func(*sql.DB) *dbx.StdPool) DB {
 // *sqlite3.SQLiteDriver, ...), not a registered name, which a program may choose, and
 // connects to nothing.
 func sqliteDriver(db *sql.DB) (string, bool) {
-	d := db.Driver()
-	if d == nil {
-		return "", false
-	}
-	t := reflect.TypeOf(d)
-	for t.Kind() == reflect.Pointer {
-		t = t.Elem()
-	}
-	name := t.PkgPath() + "." + t.Name()
+	name := driverName(db)
 	return name, strings.Contains(strings.ToLower(name), "sqlite")
 }
 
@@ -106,6 +123,36 @@ func SQLiteTx(tx *sql.Tx) DB {
 		return DB{}
 	}
 	return DB{tx: dbx.NewSQLiteCallerTx(tx)}
+}
+
+// MySQL wraps a database/sql pool of MySQL 8 or MariaDB 10.6 and newer, opened with the
+// driver github.com/go-sql-driver/mysql (registered as "mysql": the program imports it, this
+// package does not). The library never closes it. It runs the lease claim mode only, without
+// order by key, and subscribers poll (MySQL has no NOTIFY). Every transaction of the library
+// runs at READ COMMITTED, whatever the session's default.
+//
+// Open the pool with interpolateParams=true in the DSN: the driver then sends each statement
+// with its arguments in one round trip, instead of preparing it, running it and closing it
+// (three).
+func MySQL(db *sql.DB) DB {
+	if db == nil {
+		return DB{}
+	}
+	if driver, ok := mysqlDriver(db); !ok && driver != "" {
+		return DB{err: &ConfigError{Field: "db", Value: "a database/sql pool of the driver " + driver,
+			Reason: "is not MySQL's: sqlbroker.MySQL takes a pool of github.com/go-sql-driver/mysql"}}
+	}
+	return DB{pool: dbx.NewMySQLPool(db)}
+}
+
+// MySQLTx wraps a caller's database/sql transaction on MySQL or MariaDB, for a Publisher that
+// writes inside it, like StdTx. A transaction that publishes to a topic holds back the topic's
+// other publishers until it ends (offsets commit in order on MySQL): keep it short.
+func MySQLTx(tx *sql.Tx) DB {
+	if tx == nil {
+		return DB{}
+	}
+	return DB{tx: dbx.NewMySQLCallerTx(tx)}
 }
 
 // PgxTx wraps a caller's pgx transaction, for a Publisher that writes inside it (the outbox

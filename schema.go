@@ -32,6 +32,18 @@ func SQLiteSchemaSQL(topic, tablePrefix string) (string, error) {
 	return t.SchemaSQL(), nil
 }
 
+// MySQLSchemaSQL is SchemaSQL for MySQL and MariaDB, whose tables live in the connection's
+// database: the DDL InitializeSchema runs there, idempotent. It names the tables of a topic as
+// SQLiteSchemaSQL does (whether MySQL compares table names with regard to case depends on
+// the server).
+func MySQLSchemaSQL(topic, tablePrefix string) (string, error) {
+	t, err := schemaTables(dbx.MySQL, topic, "", tablePrefix)
+	if err != nil {
+		return "", err
+	}
+	return t.SchemaSQL(), nil
+}
+
 // DropSQL returns the statements that drop the tables of topic on PostgreSQL (the messages
 // table with its partitions and sequence) and the function that adds partitions to it, with
 // the same arguments as SchemaSQL. Every message and consumer-group position of the topic is
@@ -52,6 +64,15 @@ func SQLiteDropSQL(topic, tablePrefix string) (string, error) {
 		return "", err
 	}
 	return "DROP TABLE IF EXISTS " + t.Messages + ";\nDROP TABLE IF EXISTS " + t.Groups + ";\nDROP TABLE IF EXISTS " + t.Claims + ";\n", nil
+}
+
+// MySQLDropSQL is DropSQL for MySQL and MariaDB.
+func MySQLDropSQL(topic, tablePrefix string) (string, error) {
+	t, err := schemaTables(dbx.MySQL, topic, "", tablePrefix)
+	if err != nil {
+		return "", err
+	}
+	return "DROP TABLE IF EXISTS " + t.Messages + ", " + t.Groups + ", " + t.Claims + ";\n", nil
 }
 
 // schemaTables validates the arguments of SchemaSQL and names the tables on d.

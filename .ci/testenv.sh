@@ -10,6 +10,8 @@
 # a temporary directory: trust auth, a free port, max_connections 300, stopped and removed at
 # the end, also on failure or Ctrl-C. As root, it runs as the user postgres (or nobody).
 #
+# MySQL: see the end of the script.
+#
 # PgBouncer: two throwaway instances on free ports in front of the test database, in session
 # and transaction pooling, passed to the tests in SQLBROKER_TEST_PGBOUNCER_SESSION_URL and
 # SQLBROKER_TEST_PGBOUNCER_TRANSACTION_URL (unless those are set). pgbouncer is installed
@@ -280,6 +282,15 @@ EOF
 if ! start_bouncers; then
   [ "${CI:-}" = true ] && die "no PgBouncer: CI fails the PgBouncer tests"
   say "the PgBouncer tests are skipped"
+fi
+
+# MySQL or MariaDB: the server at SQLBROKER_TEST_MYSQL_DSN when it is set; otherwise the one at
+# 127.0.0.1:3306 (database test, user root without a password), when something answers there.
+# Without one the MySQL tests are skipped, except in CI, which fails.
+if [ -z "${SQLBROKER_TEST_MYSQL_DSN:-}" ] && ! (exec 3<>/dev/tcp/127.0.0.1/3306) 2>/dev/null; then
+  [ "${CI:-}" = true ] && die "no MySQL or MariaDB at 127.0.0.1:3306: CI runs the MySQL tests"
+  say "no MySQL or MariaDB answers at 127.0.0.1:3306: the MySQL tests are skipped (set SQLBROKER_TEST_MYSQL_DSN to test one)"
+  export SQLBROKER_TEST_MYSQL_DSN=off
 fi
 
 # Not exec: the trap stops what the run started once the command ends.

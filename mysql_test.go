@@ -1,0 +1,152 @@
+package sqlbroker_test
+
+import (
+	"context"
+	"database/sql"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
+	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
+)
+
+// What MySQL cannot do is refused with a ConfigError that names the field and says why; a
+// pool of one database given to another's wrapper is refused too.
+func TestMySQL_badInputRefused(t *testing.T) {
+	t.Parallel()
+	db := sqlbroker.MySQL(testdb.MySQL(t))
+
+	_, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ClaimMode: sqlbroker.ClaimAdvisoryLock}, nil)
+	requireConfigError(t, err, "ClaimMode", "advisory", "ClaimLease", "MySQL")
+	_, err = sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{OrderByKey: true}, nil)
+	requireConfigError(t, err, "OrderByKey", "MySQL")
+	_, err = sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{Schema: "app"}, nil)
+	requireConfigError(t, err, "Schema", "MySQL")
+
+	_, err = sqlbroker.NewPublisher(sqlbroker.StdSQL(testdb.MySQL(t)), sqlbroker.PublisherConfig{}, nil)
+	requireConfigError(t, err, "db", "sqlbroker.MySQL")
+	_, err = sqlbroker.NewPublisher(sqlbroker.MySQL(testdb.Std(t)), sqlbroker.PublisherConfig{}, nil)
+	requireConfigError(t, err, "db", "not MySQL's")
+
+	_, err = sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{}, nil)
+	require.NoError(t, err)
+	s, err := sqlbroker.MySQLSchemaSQL("Orders", "")
+	require.NoError(t, err)
+	assert.Contains(t, s, "CREATE TABLE IF NOT EXISTS `sqlbroker_Orders#")
+	_, err = sqlbroker.MySQLSchemaSQL("bad topic", "")
+	assert.Error(t, err)
+}
+
+// A message published in a caller's transaction is delivered once the caller commits, not
+// before; AckInTx settles a message in the caller's transaction: rolled back, the message is
+// delivered again at its next attempt; committed, it is settled, and the Ack that follows
+// changes nothing.
+func TestMySQL_transactions(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	raw := testdb.MySQL(t)
+	db := sqlbroker.MySQL(raw)
+	topic := "mysql_tx_" + strings.ToLower(watermill.NewShortUUID())
+	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	defer pub.Close()
+	require.NoError(t, pub.Publish(topic)) // creates the tables
+	t.Cleanup(func() { dropMySQLTopic(t, raw, topic) })
+	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{
+		InitializeSchema: true, NackBackoff: sqlbroker.NoBackoff, PollInterval: 20 * time.Millisecond,
+	}, nil)
+	require.NoError(t, err)
+	defer sub.Close()
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	tx, err := raw.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	txPub, err := sqlbroker.NewPublisher(sqlbroker.MySQLTx(tx), sqlbroker.PublisherConfig{}, nil)
+	require.NoError(t, err)
+	require.NoError(t, txPub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("a"))))
+	select {
+	case m := <-msgs:
+		t.Fatalf("delivered before the commit: %s", m.Payload)
+	case <-time.After(300 * time.Millisecond):
+	}
+	require.NoError(t, tx.Commit())
+
+	m := testdb.Receive(t, msgs, 10*time.Second)
+	require.Equal(t, "a", string(m.Payload))
+	tx, err = raw.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	require.NoError(t, sqlbroker.AckInTx(ctx, sqlbroker.MySQLTx(tx), m))
+	require.NoError(t, tx.Rollback())
+	m.Nack()
+	m = testdb.Receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "2", m.Metadata.Get(sqlbroker.MetadataAttempt))
+
+	tx, err = raw.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	require.NoError(t, sqlbroker.AckInTx(ctx, sqlbroker.MySQLTx(tx), m))
+	require.NoError(t, tx.Commit())
+	m.Ack()
+	testdb.Eventually(t, 10*time.Second, "the ack counted", func() bool { return sub.Stats().Acked == 1 })
+	assert.Zero(t, sub.Stats().StaleSettlements)
+	var claims int
+	require.NoError(t, raw.QueryRow("SELECT count(*) FROM `sqlbroker_"+topic+"_claims`").Scan(&claims))
+	assert.Zero(t, claims)
+	select {
+	case m := <-msgs:
+		t.Fatalf("delivered again after AckInTx committed: %s", m.Payload)
+	case <-time.After(300 * time.Millisecond):
+	}
+}
+
+// Shutdown of a subscriber whose handler holds a message leaves the message's lease to run
+// out and reports it; the next subscriber of the group gets the message then, at its second
+// attempt. Nothing of the subscriber runs after Shutdown returned (the package's leak check).
+func TestMySQL_shutdownLeavesLease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	raw := testdb.MySQL(t)
+	db := sqlbroker.MySQL(raw)
+	topic := "mysql_close_" + strings.ToLower(watermill.NewShortUUID())
+	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	defer pub.Close()
+	require.NoError(t, pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("a"))))
+	t.Cleanup(func() { dropMySQLTopic(t, raw, topic) })
+	cfg := sqlbroker.SubscriberConfig{InitializeSchema: true, PollInterval: 20 * time.Millisecond, LeaseTTL: time.Second, CloseTimeout: 100 * time.Millisecond}
+	first, err := sqlbroker.NewSubscriber(db, cfg, nil)
+	require.NoError(t, err)
+	msgs, err := first.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := testdb.Receive(t, msgs, 10*time.Second)
+	sctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	rep, _ := first.Shutdown(sctx)
+	assert.Equal(t, 1, rep.DeliveriesInWork, "the report counts the message in work")
+	assert.Equal(t, 1, rep.LeasesLeft, "the report counts the lease left to run out")
+	<-m.Context().Done()
+
+	second, err := sqlbroker.NewSubscriber(db, cfg, nil)
+	require.NoError(t, err)
+	defer second.Close()
+	msgs, err = second.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m = testdb.Receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "a", string(m.Payload))
+	assert.Equal(t, "2", m.Metadata.Get(sqlbroker.MetadataAttempt))
+	m.Ack()
+}
+
+func dropMySQLTopic(t *testing.T, db *sql.DB, topic string) {
+	t.Helper()
+	s, err := sqlbroker.MySQLDropSQL(topic, "")
+	require.NoError(t, err)
+	_, err = db.Exec(s)
+	assert.NoError(t, err)
+}
