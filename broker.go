@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -98,8 +99,11 @@ type Broker struct {
 
 // Open builds a Broker on the database rawURL names. The scheme picks the driver:
 // postgres:// or postgresql:// (pgx/v5), pgx+postgres:// (the same), libpq+postgres://
-// (database/sql with lib/pq), sqlite: (SQLite through database/sql, see below). Open checks
-// the URL and connects to nothing; errors never contain the password.
+// (database/sql with lib/pq), sqlite: (SQLite through database/sql, see below), mysql://
+// (MySQL 8 or MariaDB 10.6 and newer: mysql://user:password@host:3306/database, through
+// database/sql and github.com/go-sql-driver/mysql, which the program imports; the URL's
+// parameters are the driver's). Open checks the URL and connects to nothing; errors never
+// contain the password.
 //
 // A sqlite: URL names a file, relative ("sqlite:exports.db?mode=rwc") or absolute
 // ("sqlite:/var/lib/app/queue.db"), with SQLite's URI parameters after "?" (mode=rwc creates
@@ -127,6 +131,12 @@ func Open(rawURL string, config BrokerConfig, logger watermill.LoggerAdapter) (*
 			return nil, errPrepareLibPQOnly("SQLite always prepares them")
 		}
 		return openSQLite(rest, config, logger)
+	}
+	if strings.HasPrefix(rawURL, "mysql://") {
+		if config.PrepareStatements {
+			return nil, errPrepareLibPQOnly("on MySQL the driver sends each statement with its arguments in one round trip (interpolateParams)")
+		}
+		return openMySQL(rawURL, config, logger)
 	}
 	driver, connURL, display, err := parseBrokerURL(rawURL)
 	if err != nil {
@@ -210,6 +220,48 @@ func openSQLite(rest string, config BrokerConfig, logger watermill.LoggerAdapter
 	return &Broker{config: config, logger: logger, driver: "sqlite", display: display, pool: pool, done: make(chan struct{})}, nil
 }
 
+// openMySQL builds a Broker on the MySQL or MariaDB database of a mysql:// URL, through the
+// driver github.com/go-sql-driver/mysql, which the program imports. The URL's parameters are
+// the driver's (tls, charset, timeouts, ...); interpolateParams is on unless the URL says
+// otherwise: each statement then costs one round trip instead of three.
+func openMySQL(rawURL string, config BrokerConfig, logger watermill.LoggerAdapter) (*Broker, error) {
+	u, err := url.Parse(rawURL)
+	if err != nil || u.Host == "" || strings.Trim(u.Path, "/") == "" || strings.Contains(strings.Trim(u.Path, "/"), "/") {
+		return nil, &ConfigError{Field: "url", Value: "mysql://...", Reason: "is malformed: want mysql://user[:password]@host[:port]/database[?options]"}
+	}
+	display := redactedURL(u)
+	if !slices.Contains(sql.Drivers(), "mysql") {
+		return nil, &ConfigError{Field: "url", Value: display, Reason: `needs the MySQL driver: import _ "github.com/go-sql-driver/mysql" in the program (the library does not import it, so that programs on other databases do not build it)`}
+	}
+	params := u.Query()
+	if params.Get("interpolateParams") == "" {
+		params.Set("interpolateParams", "true")
+	}
+	if config.ConnectTimeout > 0 && params.Get("timeout") == "" {
+		params.Set("timeout", config.ConnectTimeout.String())
+	}
+	host := u.Host
+	if u.Port() == "" {
+		host += ":3306"
+	}
+	var user string
+	if u.User != nil {
+		user = u.User.Username()
+		if p, ok := u.User.Password(); ok {
+			user += ":" + p
+		}
+		user += "@"
+	}
+	dsn := user + "tcp(" + host + ")/" + strings.Trim(u.Path, "/") + "?" + params.Encode()
+	db, err := sql.Open("mysql", dsn) // lazy: no connection yet
+	if err != nil {
+		return nil, fmt.Errorf("sqlbroker: Open %s: %s", display, redact(err.Error(), rawURL))
+	}
+	db.SetMaxOpenConns(config.MaxConns)
+	db.SetMaxIdleConns(config.MaxConns)
+	return &Broker{config: config, logger: logger, driver: "mysql", display: display, pool: dbx.NewMySQLPool(db), done: make(chan struct{})}, nil
+}
+
 // parseBrokerURL picks the driver and returns the URL to hand it, and the URL to show.
 func parseBrokerURL(rawURL string) (driver, connURL, display string, err error) {
 	scheme, rest, ok := strings.Cut(rawURL, "://")
@@ -222,7 +274,7 @@ func parseBrokerURL(rawURL string) (driver, connURL, display string, err error) 
 	case "libpq+postgres", "libpq+postgresql":
 		driver = "lib/pq"
 	default:
-		return "", "", "", &ConfigError{Field: "url", Value: scheme + "://...", Reason: "has an unknown scheme: want postgres://, pgx+postgres://, libpq+postgres:// or sqlite:"}
+		return "", "", "", &ConfigError{Field: "url", Value: scheme + "://...", Reason: "has an unknown scheme: want postgres://, pgx+postgres://, libpq+postgres://, mysql:// or sqlite:"}
 	}
 	connURL = "postgres://" + rest
 	u, perr := url.Parse(connURL)

@@ -150,3 +150,42 @@ func dropMySQLTopic(t *testing.T, db *sql.DB, topic string) {
 	_, err = db.Exec(s)
 	assert.NoError(t, err)
 }
+
+// Open takes a mysql:// URL: a malformed one is refused without showing its password, and a
+// broker built on one names its database without the password and works.
+func TestMySQL_open(t *testing.T) {
+	t.Parallel()
+	for _, bad := range []string{"mysql://u:secret@/test", "mysql://u:secret@127.0.0.1/", "mysql://u:secret@127.0.0.1/a/b"} {
+		_, err := sqlbroker.Open(bad, sqlbroker.BrokerConfig{}, nil)
+		requireConfigError(t, err, "url", "mysql://user[:password]@host[:port]/database")
+		assert.NotContains(t, err.Error(), "secret")
+	}
+	_, err := sqlbroker.Open("mysql://u:secret@127.0.0.1/test", sqlbroker.BrokerConfig{PrepareStatements: true}, nil)
+	assert.Error(t, err)
+
+	b, err := sqlbroker.Open("mysql://u:secret@127.0.0.1:1/test", sqlbroker.BrokerConfig{}, nil)
+	require.NoError(t, err)
+	assert.Equal(t, "sqlbroker.Broker(mysql mysql://u:xxxxx@127.0.0.1:1/test)", b.String())
+	require.NoError(t, b.Close())
+
+	b, err = sqlbroker.Open(testdb.MySQLURL(t), sqlbroker.BrokerConfig{}, nil)
+	require.NoError(t, err)
+	defer b.Close()
+	ctx := context.Background()
+	topic := "mysql_open_" + strings.ToLower(watermill.NewShortUUID())
+	require.NoError(t, b.InitializeSchema(ctx, sqlbroker.PublisherConfig{}, topic))
+	t.Cleanup(func() { dropMySQLTopic(t, testdb.MySQL(t), topic) })
+	pub, err := b.NewPublisher(sqlbroker.PublisherConfig{})
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("a"))))
+	sub, err := b.NewSubscriber(sqlbroker.SubscriberConfig{PollInterval: 20 * time.Millisecond})
+	require.NoError(t, err)
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := testdb.Receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "a", string(m.Payload))
+	m.Ack()
+	rep, err := b.Shutdown(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, 1, rep.Subscriptions)
+}

@@ -11,11 +11,25 @@ import (
 	"github.com/sqlbroker/watermill-sqlbroker/internal/testdb"
 )
 
-// mysqlConstructors build the suite's publishers and subscribers on the MySQL test database's
-// shared pool, configured as on SQLite (sqliteConfig).
-func mysqlConstructors(t *testing.T, ordered bool) (tests.PubSubConstructor, tests.ConsumerGroupPubSubConstructor) {
-	db := sqlbroker.MySQL(testdb.MySQL(t))
+// mysqlConstructors build the suite's publishers and subscribers on MySQL, configured as on
+// SQLite (sqliteConfig): through a Broker that Open builds for each of them (so the suite's
+// consumers of one group work through pools of their own, as processes would), or on the
+// shared pool of the MySQL test database.
+func mysqlConstructors(t *testing.T, viaOpen, ordered bool) (tests.PubSubConstructor, tests.ConsumerGroupPubSubConstructor) {
+	var shared sqlbroker.DB
+	if !viaOpen {
+		shared = sqlbroker.MySQL(testdb.MySQL(t))
+	}
 	build := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
+		db := shared
+		if viaOpen {
+			b, err := sqlbroker.Open(testdb.MySQLURL(t), sqlbroker.BrokerConfig{MaxConns: 8}, watermill.NopLogger{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = b.Close() }) // runs after the closes below: the pool last
+			db = b.DB()
+		}
 		pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
 		if err != nil {
 			t.Fatal(err)
@@ -37,14 +51,15 @@ func mysqlConstructors(t *testing.T, ordered bool) (tests.PubSubConstructor, tes
 }
 
 // TestUniversal_MySQL runs Watermill's universal suite in lease mode on MySQL (or MariaDB),
-// then in the ordered configuration (one message in flight, one subscriber).
+// through Open and on a caller's pool, then in the ordered configuration (one message in
+// flight, one subscriber) on the caller's pool.
 func TestUniversal_MySQL(t *testing.T) {
 	for _, run := range []struct {
-		name    string
-		ordered bool
-	}{{"lease", false}, {"ordered", true}} {
+		name             string
+		viaOpen, ordered bool
+	}{{"open", true, false}, {"sqldb", false, false}, {"ordered", false, true}} {
 		t.Run(run.name, func(t *testing.T) {
-			pubSub, groupPubSub := mysqlConstructors(t, run.ordered)
+			pubSub, groupPubSub := mysqlConstructors(t, run.viaOpen, run.ordered)
 			f := universalFeatures(run.ordered)
 			f.RestartServiceCommand = nil
 			tests.TestPubSub(t, f, pubSub, groupPubSub)

@@ -101,8 +101,13 @@ func RestoreSessionStatementTimeout(ctx context.Context, c Querier, was string) 
 }
 
 // ReadCommitted makes the transaction tx, just begun, run at READ COMMITTED whatever the
-// session's default, so that each of its statements sees the rows committed before it.
+// session's default, so that each of its statements sees the rows committed before it. On
+// MySQL, where a running transaction cannot change its level, the library's transactions
+// begin at READ COMMITTED already (MySQLPool).
 func ReadCommitted(ctx context.Context, tx Querier) error {
+	if DialectOf(tx) == MySQL {
+		return nil
+	}
 	_, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
 	return err
 }

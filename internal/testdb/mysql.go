@@ -3,12 +3,13 @@ package testdb
 import (
 	"context"
 	"database/sql"
+	"net/url"
 	"os"
 	"sync"
 	"testing"
 	"time"
 
-	_ "github.com/go-sql-driver/mysql" // the MySQL driver under test
+	"github.com/go-sql-driver/mysql" // the MySQL driver under test
 )
 
 // DefaultMySQLDSN is the MySQL or MariaDB test database when SQLBROKER_TEST_MYSQL_DSN is not
@@ -53,4 +54,24 @@ func MySQL(t testing.TB) *sql.DB {
 		t.Fatalf("MySQL test database %s: %v (start it, or set SQLBROKER_TEST_MYSQL_DSN)", MySQLDSN(), mysqlErr)
 	}
 	return mysqlDB
+}
+
+// MySQLURL is the MySQL test database as a mysql:// URL for Open.
+func MySQLURL(t testing.TB) string {
+	t.Helper()
+	d := MySQLDSN()
+	if d == "off" {
+		t.Skip("SQLBROKER_TEST_MYSQL_DSN=off: no MySQL test database")
+	}
+	cfg, err := mysql.ParseDSN(d)
+	if err != nil {
+		t.Fatalf("SQLBROKER_TEST_MYSQL_DSN: %v", err)
+	}
+	u := url.URL{Scheme: "mysql", Host: cfg.Addr, Path: "/" + cfg.DBName}
+	if cfg.Passwd != "" {
+		u.User = url.UserPassword(cfg.User, cfg.Passwd)
+	} else {
+		u.User = url.User(cfg.User)
+	}
+	return u.String()
 }
