@@ -312,16 +312,18 @@ func (b *Broker) PgxPool() *pgxpool.Pool {
 	return nil
 }
 
-// SQLDB returns the broker's database/sql pool (libpq+postgres:// and sqlite: URLs), or nil
-// for pgx, for the caller's own statements and transactions: begin one on it and publish
-// inside it with NewTxPublisher(StdTx(tx), ...), or SQLiteTx on SQLite, where the broker's
-// pool begins every transaction with BEGIN IMMEDIATE (unless the URL sets _txlock). Never
-// close it: Shutdown does, last.
+// SQLDB returns the broker's database/sql pool (libpq+postgres://, sqlite: and mysql:// URLs),
+// or nil for pgx, for the caller's own statements and transactions: begin one on it and
+// publish inside it with NewTxPublisher(StdTx(tx), ...), or SQLiteTx on SQLite, where the
+// broker's pool begins every transaction with BEGIN IMMEDIATE (unless the URL sets _txlock),
+// or MySQLTx on MySQL. Never close it: Shutdown does, last.
 func (b *Broker) SQLDB() *sql.DB {
 	switch p := b.pool.(type) {
 	case *dbx.StdPool:
 		return p.DB
 	case *dbx.SQLitePool:
+		return p.DB
+	case *dbx.MySQLPool:
 		return p.DB
 	}
 	return nil

@@ -54,14 +54,14 @@ func (e *NameError) Error() string {
 }
 
 // MissingTableError says that a table of a topic does not exist and how to create it:
-// InitializeSchema, or in a migration the SQL of SchemaSQL (PostgreSQL) or SQLiteSchemaSQL
-// (SQLite).
+// InitializeSchema, or in a migration the SQL of SchemaSQL (PostgreSQL), SQLiteSchemaSQL
+// (SQLite) or MySQLSchemaSQL (MySQL).
 type MissingTableError struct {
 	// Topic is the topic whose table is missing.
 	Topic string
 	// Table is the table's quoted name.
 	Table string
-	// Database is the database where it is missing: "PostgreSQL" or "SQLite".
+	// Database is the database where it is missing: "PostgreSQL", "SQLite" or "MySQL".
 	Database string
 }
 

@@ -36,6 +36,13 @@ func TestMySQL_badInputRefused(t *testing.T) {
 
 	_, err = sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{}, nil)
 	require.NoError(t, err)
+	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{}, nil)
+	require.NoError(t, err)
+	err = pub.Publish("mysql_missing_topic", message.NewMessage(watermill.NewUUID(), nil))
+	var missing *sqlbroker.MissingTableError
+	require.ErrorAs(t, err, &missing)
+	assert.Contains(t, err.Error(), "sqlbroker.MySQLSchemaSQL")
+	require.NoError(t, pub.Close())
 	s, err := sqlbroker.MySQLSchemaSQL("Orders", "")
 	require.NoError(t, err)
 	assert.Contains(t, s, "CREATE TABLE IF NOT EXISTS `sqlbroker_Orders#")
@@ -188,4 +195,78 @@ func TestMySQL_open(t *testing.T) {
 	rep, err := b.Shutdown(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, 1, rep.Subscriptions)
+}
+
+// The Admin reads a MySQL topic as it reads a PostgreSQL one: its groups' positions, lag and
+// claims (one line per message of a claims row), and moves and deletes a group.
+func TestMySQL_admin(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	raw := testdb.MySQL(t)
+	db := sqlbroker.MySQL(raw)
+	prefix := "sqlbroker_adm" + strings.ToLower(watermill.NewShortUUID()[:6]) + "_"
+	topic := "orders"
+	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true, TablePrefix: prefix}, nil)
+	require.NoError(t, err)
+	defer pub.Close()
+	for i := range 5 {
+		require.NoError(t, pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte{byte('a' + i)})))
+	}
+	t.Cleanup(func() {
+		s, err := sqlbroker.MySQLDropSQL(topic, prefix)
+		require.NoError(t, err)
+		_, err = raw.Exec(s)
+		assert.NoError(t, err)
+	})
+	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{ConsumerGroup: "billing", TablePrefix: prefix, BatchSize: 2, MaxInFlight: 2, PollInterval: 20 * time.Millisecond}, nil)
+	require.NoError(t, err)
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m1 := testdb.Receive(t, msgs, 10*time.Second)
+	m2 := testdb.Receive(t, msgs, 10*time.Second)
+
+	admin, err := sqlbroker.NewAdmin(db, sqlbroker.AdminConfig{TablePrefix: prefix})
+	require.NoError(t, err)
+	topics, more, err := admin.Topics(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, []string{topic}, topics)
+	assert.False(t, more)
+	var ins sqlbroker.Inspection
+	testdb.Eventually(t, 10*time.Second, "the claims ahead written", func() bool {
+		ins, err = admin.Inspect(ctx, sqlbroker.InspectOptions{Claims: 10})
+		require.NoError(t, err)
+		require.Len(t, ins.Topics, 1)
+		return len(ins.Topics[0].Groups) == 1 && ins.Topics[0].Groups[0].InWork >= 2
+	})
+	// The subscription holds what it handed out and what it claimed ahead: every message
+	// before its position is in work, each a line of the claims listed.
+	g := ins.Topics[0].Groups[0]
+	assert.Equal(t, "billing", g.Group)
+	assert.Equal(t, g.Offset, g.InWork)
+	assert.Equal(t, 5-g.Offset, g.Lag)
+	assert.Greater(t, g.OldestUnsettled, time.Duration(0))
+	require.Len(t, ins.Topics[0].Claims, int(g.InWork))
+	for i, c := range ins.Topics[0].Claims {
+		assert.Equal(t, int64(i+1), c.Offset)
+		assert.Equal(t, int64(1), c.Attempts)
+		assert.WithinDuration(t, time.Now().Add(sqlbroker.DefaultLeaseTTL), c.Deadline, 5*time.Second)
+	}
+	assert.True(t, ins.Horizon.NotApplicable)
+	require.NoError(t, sub.Close())
+	<-m1.Context().Done()
+	<-m2.Context().Done()
+
+	next, err := admin.ResetGroup(ctx, topic, "billing", 4)
+	require.NoError(t, err)
+	assert.Equal(t, int64(4), next)
+	ins, err = admin.Inspect(ctx, sqlbroker.InspectOptions{Topics: []string{topic}})
+	require.NoError(t, err)
+	g = ins.Topics[0].Groups[0]
+	assert.Equal(t, int64(3), g.Offset)
+	assert.Equal(t, int64(0), g.InWork+g.Due+g.Waiting, "the reset dropped the group's claims")
+	dropped, err := admin.DeleteGroup(ctx, topic, "billing")
+	require.NoError(t, err)
+	assert.Zero(t, dropped)
+	_, err = admin.DeleteGroup(ctx, topic, "billing")
+	assert.ErrorIs(t, err, sqlbroker.ErrNoGroup)
 }

@@ -14,9 +14,9 @@
 // by topics x groups. The subscribers' counters are read from memory: a scrape never waits on
 // a subscriber's work or its statements.
 //
-// It reads PostgreSQL and SQLite alike. On SQLite, where offsets commit in order and no
-// transaction holds a message back, the held-back messages and the xmin horizon have no
-// meaning: their series are not exported, and the others mean what they mean on
+// It reads PostgreSQL, SQLite and MySQL alike. On SQLite and MySQL, where offsets commit in
+// order and no transaction holds a message back, the held-back messages and the xmin horizon
+// have no meaning: their series are not exported, and the others mean what they mean on
 // PostgreSQL. On SQLite the reads take no write lock.
 //
 // The metrics and what to alert on are described in the repository's docs/operations.md.
@@ -97,7 +97,7 @@ var (
 )
 
 // NewCollector builds the collector: it reads the topics' state through db (which must wrap
-// a pool, Pgx, StdSQL or SQLite, or be a Broker's DB; one connection at a time, for the
+// a pool, Pgx, StdSQL, SQLite or MySQL, or be a Broker's DB; one connection at a time, for the
 // length of a scrape) and the counters of subs. With Options.SkipDatabase, db may be the zero DB. It panics when db or
 // the options are invalid, as prometheus.MustRegister does for its own errors: registration
 // runs once, at start.

@@ -39,6 +39,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/lib/pq"
 
+	_ "github.com/go-sql-driver/mysql" // the MySQL driver behind mysql:// URLs
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
 )
 
@@ -213,6 +214,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 				return 2
 			}
 			ddl, err = sqlbroker.SQLiteSchemaSQL(pos[0], c.prefix)
+		} else if strings.HasPrefix(rawURL, "mysql://") {
+			if c.schema != "" {
+				fmt.Fprintf(stderr, "sqlbroker schema: -schema %q is PostgreSQL's: the tables live in the URL's MySQL database\n", c.schema)
+				return 2
+			}
+			ddl, err = sqlbroker.MySQLSchemaSQL(pos[0], c.prefix)
 		} else {
 			ddl, err = sqlbroker.SchemaSQL(pos[0], c.schema, c.prefix)
 		}
@@ -397,6 +404,20 @@ func fail(stderr io.Writer, rawURL string, err error) int {
 	return 1
 }
 
+// openMySQL opens the MySQL database of a mysql:// URL through a broker of two connections,
+// and checks that it answers.
+func openMySQL(ctx context.Context, rawURL string) (sqlbroker.DB, func(), error) {
+	b, err := sqlbroker.Open(rawURL, sqlbroker.BrokerConfig{MaxConns: 2}, nil)
+	if err != nil {
+		return sqlbroker.DB{}, nil, err
+	}
+	if _, err := b.SQLDB().ExecContext(ctx, "DO 1"); err != nil {
+		_ = b.Close()
+		return sqlbroker.DB{}, nil, fmt.Errorf("connecting to %s: %w", redactURL(rawURL), err)
+	}
+	return b.DB(), func() { _ = b.Close() }, nil
+}
+
 // open connects to rawURL with the driver its scheme names, with at most two connections.
 func open(ctx context.Context, rawURL string) (sqlbroker.DB, func(), error) {
 	if rest, ok := strings.CutPrefix(rawURL, "sqlite:"); ok {
@@ -405,8 +426,10 @@ func open(ctx context.Context, rawURL string) (sqlbroker.DB, func(), error) {
 	if scheme, _, ok := strings.Cut(rawURL, "://"); ok {
 		switch scheme {
 		case "postgres", "postgresql", "pgx+postgres", "pgx+postgresql", "libpq+postgres", "libpq+postgresql":
+		case "mysql":
+			return openMySQL(ctx, rawURL)
 		default:
-			return sqlbroker.DB{}, nil, fmt.Errorf("-url %s://...: unknown scheme: want postgres://, pgx+postgres://, libpq+postgres:// or sqlite:path/to/file.db", scheme)
+			return sqlbroker.DB{}, nil, fmt.Errorf("-url %s://...: unknown scheme: want postgres://, pgx+postgres://, libpq+postgres://, mysql:// or sqlite:path/to/file.db", scheme)
 		}
 	}
 	if rest, ok := strings.CutPrefix(rawURL, "libpq+"); ok {

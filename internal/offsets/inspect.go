@@ -132,8 +132,7 @@ func FindTopics(ctx context.Context, q dbx.Querier, schema, prefix string, limit
 		}
 		// With schema "", the names are left unqualified: the search_path resolves them, as
 		// it does for the library.
-		f.Tables = namedTables(schema, prefix, f.Topic, p.messages, p.groups, p.claims)
-		f.Tables.db = db
+		f.Tables = namedTables(db, schema, prefix, f.Topic, p.messages, p.groups, p.claims)
 		out = append(out, f)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Topic < out[j].Topic })
@@ -144,22 +143,15 @@ func FindTopics(ctx context.Context, q dbx.Querier, schema, prefix string, limit
 	return out, more, nil
 }
 
-// namedTables is NewTables with the raw names read from the catalog.
-func namedTables(schema, prefix, topic, messages, groups, claims string) Tables {
+// namedTables is NewTables on db with the raw names read from the catalog.
+func namedTables(db database, schema, prefix, topic, messages, groups, claims string) Tables {
 	t := NewTables(schema, prefix, topic)
+	t.db = db
 	t.MessagesName, t.GroupsName, t.ClaimsName = messages, groups, claims
-	t.Messages = qualified(schema, messages)
-	t.Groups = qualified(schema, groups)
-	t.Claims = qualified(schema, claims)
+	t.Messages = db.quote(schema, messages)
+	t.Groups = db.quote(schema, groups)
+	t.Claims = db.quote(schema, claims)
 	return t
-}
-
-func qualified(schema, name string) string {
-	q := `"` + strings.ReplaceAll(name, `"`, `""`) + `"`
-	if schema == "" {
-		return q
-	}
-	return `"` + strings.ReplaceAll(schema, `"`, `""`) + `".` + q
 }
 
 // GroupState is what Inspect reads of one consumer group.

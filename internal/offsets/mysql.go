@@ -878,9 +878,6 @@ func (mysql) keyPrune(ctx context.Context, k KeyTable, q dbx.Querier, limit int)
 	return q.Exec(ctx, fmt.Sprintf("DELETE FROM %s WHERE `expires_at` <= %s ORDER BY `expires_at` LIMIT ?", k.Table, mysqlNow), limit)
 }
 
-// inspection: MySQL has no operator statements yet.
-func (mysql) inspection() *inspectStatements { return nil }
-
 // backendAlive looks the connection id up among the server's threads.
 func (mysql) backendAlive(ctx context.Context, q dbx.Querier, pid uint32) (bool, error) {
 	var n int64

@@ -18,6 +18,9 @@ type MissingTableError struct {
 }
 
 func (e *MissingTableError) Error() string {
+	if e.Database == dbx.MySQL.Name {
+		return fmt.Sprintf("topic %q: table %s does not exist in the MySQL database: set InitializeSchema: true, or create it with the SQL of sqlbroker.MySQLSchemaSQL(%q, ...) (sqlbroker schema -url mysql://... %s)", e.Topic, e.Table, e.Topic, e.Topic)
+	}
 	if e.Database == dbx.SQLite.Name {
 		return fmt.Sprintf("topic %q: table %s does not exist in the SQLite database: set InitializeSchema: true, or create it with the SQL of sqlbroker.SQLiteSchemaSQL(%q, ...) (sqlbroker schema -url sqlite:FILE %s)", e.Topic, e.Table, e.Topic, e.Topic)
 	}
