@@ -270,3 +270,60 @@ func TestMySQL_admin(t *testing.T) {
 	_, err = admin.DeleteGroup(ctx, topic, "billing")
 	assert.ErrorIs(t, err, sqlbroker.ErrNoGroup)
 }
+
+// Shutdown cancels on the server a claim that waits for a row lock (another transaction holds
+// the group's row), with KILL QUERY, and returns once the statement has ended: the claim is
+// rolled back and its message handed out later at its first attempt.
+func TestMySQL_shutdownCancelsClaimInFlight(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	raw := testdb.MySQL(t)
+	db := sqlbroker.MySQL(raw)
+	topic := "mysql_cancel_" + strings.ToLower(watermill.NewShortUUID())
+	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	defer pub.Close()
+	require.NoError(t, pub.Publish(topic))
+	t.Cleanup(func() { dropMySQLTopic(t, raw, topic) })
+	cfg := sqlbroker.SubscriberConfig{InitializeSchema: true, PollInterval: 20 * time.Millisecond}
+	sub, err := sqlbroker.NewSubscriber(db, cfg, nil)
+	require.NoError(t, err)
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	hold, err := raw.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer hold.Rollback()
+	var id int
+	require.NoError(t, hold.QueryRow("SELECT `group_id` FROM `sqlbroker_"+topic+"_groups` WHERE `consumer_group` = 'default' FOR UPDATE").Scan(&id))
+	require.NoError(t, pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("a"))))
+	testdb.Eventually(t, 10*time.Second, "the claim to wait for the group's row", func() bool {
+		var n int
+		require.NoError(t, raw.QueryRow("SELECT count(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE 'SELECT `last_offset`%' AND INFO LIKE ?", "%"+topic+"%").Scan(&n))
+		return n == 1
+	})
+	sctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	rep, _ := sub.Shutdown(sctx)
+	assert.Less(t, time.Since(start), 5*time.Second, "Shutdown waited for the lock instead of cancelling the claim")
+	assert.Equal(t, 1, rep.ClaimStatementsCancelled, "the report counts the claim cancelled")
+	select {
+	case m, ok := <-msgs:
+		if ok {
+			t.Fatalf("delivered after a cancelled claim: %s", m.Payload)
+		}
+	default:
+	}
+	require.NoError(t, hold.Rollback())
+
+	next, err := sqlbroker.NewSubscriber(db, cfg, nil)
+	require.NoError(t, err)
+	defer next.Close()
+	msgs, err = next.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := testdb.Receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "a", string(m.Payload))
+	assert.Equal(t, "1", m.Metadata.Get(sqlbroker.MetadataAttempt))
+	m.Ack()
+}

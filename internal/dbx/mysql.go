@@ -43,12 +43,19 @@ func (p *MySQLPool) Begin(ctx context.Context) (Tx, error) {
 	return mysqlTx{stdTx{stdQ{tx}, tx}}, nil
 }
 
+// Acquire takes a connection and learns its id, which Cancel needs while a statement runs:
+// asked once per physical connection, remembered as StdPool's backend pids are.
 func (p *MySQLPool) Acquire(ctx context.Context) (Conn, error) {
 	c, err := p.DB.Conn(ctx)
 	if err != nil {
 		return nil, err
 	}
-	return &mysqlConn{stdQ: stdQ{c}, c: c, pool: p.DB}, nil
+	mc := &mysqlConn{stdQ: stdQ{c}, c: c, pool: p.DB}
+	if _, err := mc.PID(ctx); err != nil {
+		mc.Destroy()
+		return nil, err
+	}
+	return mc, nil
 }
 
 // Dedicated takes a connection from the pool, as StdPool's does; its session state never
@@ -90,11 +97,17 @@ func (c *mysqlConn) Begin(ctx context.Context) (Tx, error) {
 	return mysqlTx{stdTx{stdQ{tx}, tx}}, nil
 }
 
-// PID is the connection's CONNECTION_ID(), asked once.
+// PID is the connection's CONNECTION_ID(), asked once per physical connection.
 func (c *mysqlConn) PID(ctx context.Context) (uint32, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.pid != 0 {
+		return c.pid, nil
+	}
+	var key any
+	_ = c.c.Raw(func(dc any) error { key = dc; return nil })
+	if v, ok := pids.Load(key); ok && key != nil {
+		c.pid = v.(uint32)
 		return c.pid, nil
 	}
 	var id int64
@@ -102,13 +115,19 @@ func (c *mysqlConn) PID(ctx context.Context) (uint32, error) {
 		return 0, err
 	}
 	c.pid = uint32(id)
+	if key != nil {
+		if _, had := pids.LoadOrStore(key, c.pid); !had && npids.Add(1) > maxPIDs {
+			pids.Clear()
+			npids.Store(0)
+		}
+	}
 	return c.pid, nil
 }
 
 // Cancel ends the statement running now on the connection with KILL QUERY, sent through
 // another connection of the pool: the statement returns the server's error 1317 (query
-// execution was interrupted) and the connection stays usable. The connection's id must have
-// been read before (PID): reading it now would wait for the statement to end.
+// execution was interrupted) and the connection stays usable. Acquire has read the
+// connection's id: reading it now would wait for the statement to end.
 func (c *mysqlConn) Cancel(ctx context.Context) (bool, error) {
 	c.mu.Lock()
 	pid := c.pid
@@ -129,7 +148,12 @@ func (c *mysqlConn) Release() {
 }
 
 func (c *mysqlConn) Destroy() {
-	_ = c.c.Raw(func(any) error { return driver.ErrBadConn })
+	_ = c.c.Raw(func(dc any) error {
+		if _, had := pids.LoadAndDelete(dc); had {
+			npids.Add(-1)
+		}
+		return driver.ErrBadConn
+	})
 	_ = c.c.Close()
 	if c.unreserve != nil {
 		c.unreserve()
