@@ -3,8 +3,6 @@ package tests
 import (
 	"testing"
 
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
@@ -20,34 +18,7 @@ func mysqlConstructors(t *testing.T, viaOpen, ordered bool) (tests.PubSubConstru
 	if !viaOpen {
 		shared = sqlbroker.MySQL(testdb.MySQL(t))
 	}
-	build := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-		db := shared
-		if viaOpen {
-			b, err := sqlbroker.Open(testdb.MySQLURL(t), sqlbroker.BrokerConfig{MaxConns: 8}, watermill.NopLogger{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = b.Close() }) // runs after the closes below: the pool last
-			db = b.DB()
-		}
-		pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		sub, err := sqlbroker.NewSubscriber(db, sqliteConfig(group, ordered, false), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			_ = sub.Close()
-			_ = pub.Close()
-		})
-		return pub, sub
-	}
-	own := func(t *testing.T) (message.Publisher, message.Subscriber) {
-		return build(t, "own_"+watermill.NewShortUUID())
-	}
-	return own, build
+	return brokerConstructors(testdb.MySQLURL(t), sqlbroker.BrokerConfig{MaxConns: 8}, shared, viaOpen, ordered, false)
 }
 
 // TestUniversal_MySQL runs Watermill's universal suite in lease mode on MySQL (or MariaDB),

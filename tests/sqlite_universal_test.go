@@ -42,21 +42,27 @@ func sqliteConfig(group string, ordered, keyed bool) sqlbroker.SubscriberConfig 
 // through pools of their own on one file, as processes would), or on one caller's *sql.DB.
 // With keyed, as constructorsKeyed.
 func sqliteConstructors(t *testing.T, viaOpen, ordered, keyed bool) (tests.PubSubConstructor, tests.ConsumerGroupPubSubConstructor) {
-	url := testdb.SQLiteURL(t)
-	pcfg := sqlbroker.PublisherConfig{InitializeSchema: true}
-	if keyed {
-		pcfg.OrderKey = suiteOrderKey
-	}
 	var shared sqlbroker.DB
 	if !viaOpen {
 		shared = sqlbroker.SQLite(testdb.SQLite(t))
+	}
+	return brokerConstructors(testdb.SQLiteURL(t), sqlbroker.BrokerConfig{}, shared, viaOpen, ordered, keyed)
+}
+
+// brokerConstructors build the suite's publishers and subscribers, configured by
+// sqliteConfig: with viaOpen, each pair through a Broker of its own that Open builds on url;
+// otherwise on shared, a caller's pool.
+func brokerConstructors(url string, bcfg sqlbroker.BrokerConfig, shared sqlbroker.DB, viaOpen, ordered, keyed bool) (tests.PubSubConstructor, tests.ConsumerGroupPubSubConstructor) {
+	pcfg := sqlbroker.PublisherConfig{InitializeSchema: true}
+	if keyed {
+		pcfg.OrderKey = suiteOrderKey
 	}
 	build := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
 		var pub *sqlbroker.Publisher
 		var sub *sqlbroker.Subscriber
 		var err error
 		if viaOpen {
-			b, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, watermill.NopLogger{})
+			b, err := sqlbroker.Open(url, bcfg, watermill.NopLogger{})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -104,24 +104,9 @@ func (c *mysqlConn) PID(ctx context.Context) (uint32, error) {
 	if c.pid != 0 {
 		return c.pid, nil
 	}
-	var key any
-	_ = c.c.Raw(func(dc any) error { key = dc; return nil })
-	if v, ok := pids.Load(key); ok && key != nil {
-		c.pid = v.(uint32)
-		return c.pid, nil
-	}
-	var id int64
-	if err := QueryRow(ctx, c.stdQ, "SELECT CONNECTION_ID()", nil, &id); err != nil {
-		return 0, err
-	}
-	c.pid = uint32(id)
-	if key != nil {
-		if _, had := pids.LoadOrStore(key, c.pid); !had && npids.Add(1) > maxPIDs {
-			pids.Clear()
-			npids.Store(0)
-		}
-	}
-	return c.pid, nil
+	pid, err := cachedPID(ctx, c.c, c.stdQ, "SELECT CONNECTION_ID()")
+	c.pid = pid
+	return pid, err
 }
 
 // Cancel ends the statement running now on the connection with KILL QUERY, sent through

@@ -355,24 +355,31 @@ func (c *stdConn) PID(ctx context.Context) (uint32, error) {
 	if c.pid != 0 {
 		return c.pid, nil
 	}
+	pid, err := cachedPID(ctx, c.c, c, "SELECT pg_backend_pid()")
+	c.pid = pid
+	return pid, err
+}
+
+// cachedPID is the server's id of the driver connection under c: remembered in pids, or read
+// with sql (one bigint) through q, a querier of c, and remembered.
+func cachedPID(ctx context.Context, c *sql.Conn, q Querier, sql string) (uint32, error) {
 	var key any
-	_ = c.c.Raw(func(dc any) error { key = dc; return nil })
+	_ = c.Raw(func(dc any) error { key = dc; return nil })
 	if v, ok := pids.Load(key); ok && key != nil {
-		c.pid = v.(uint32)
-		return c.pid, nil
+		return v.(uint32), nil
 	}
-	var pid int64
-	if err := QueryRow(ctx, c, "SELECT pg_backend_pid()", nil, &pid); err != nil {
+	var id int64
+	if err := QueryRow(ctx, q, sql, nil, &id); err != nil {
 		return 0, err
 	}
-	c.pid = uint32(pid)
+	pid := uint32(id)
 	if key != nil {
-		if _, had := pids.LoadOrStore(key, c.pid); !had && npids.Add(1) > maxPIDs {
+		if _, had := pids.LoadOrStore(key, pid); !had && npids.Add(1) > maxPIDs {
 			pids.Clear()
 			npids.Store(0)
 		}
 	}
-	return c.pid, nil
+	return pid, nil
 }
 
 func (c *stdConn) Release() {

@@ -728,20 +728,10 @@ func (s mysql) appending(ctx context.Context, q dbx.Querier, fn func(dbx.Querier
 
 // insertSQL: created_at is the statement's time on the server's clock.
 func (s mysql) insertSQL(n int, _ string, delayed bool) string {
-	prefix, tuple := s.insertPrefix, "(?,?,?,"+mysqlNow+")"
 	if delayed {
-		prefix, tuple = s.insDelPrefix, "(?,?,?,"+mysqlNow+",?)"
+		return repeatTuples(s.insDelPrefix, "(?,?,?,"+mysqlNow+",?)", n)
 	}
-	var b strings.Builder
-	b.Grow(len(prefix) + n*(len(tuple)+1))
-	b.WriteString(prefix)
-	for i := range n {
-		if i > 0 {
-			b.WriteByte(',')
-		}
-		b.WriteString(tuple)
-	}
-	return b.String()
+	return repeatTuples(s.insertPrefix, "(?,?,?,"+mysqlNow+")", n)
 }
 
 // deliverAt is the time in Unix milliseconds, rounded up so that a delayed message is never
@@ -759,17 +749,7 @@ func (mysql) noPartition(error) bool { return false }
 // maintain deletes the settled messages older than opts.OlderThan, pruneBatch at a time, until
 // a statement deletes fewer.
 func (s mysql) maintain(ctx context.Context, _ *partState, c dbx.Querier, opts MaintainOptions) (MaintainResult, error) {
-	var res MaintainResult
-	if !opts.Drop {
-		return res, nil
-	}
-	for {
-		n, err := c.Exec(ctx, s.pruneSQL, msInt(opts.OlderThan), pruneBatch)
-		res.Messages += n
-		if err != nil || n < pruneBatch {
-			return res, err
-		}
-	}
+	return pruneInBatches(ctx, c, s.pruneSQL, opts)
 }
 
 // messagesSQL: TakeMessages locks the rows it reads until its transaction ends.

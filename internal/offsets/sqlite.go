@@ -513,20 +513,10 @@ func (s sqlite) settlePrefix(ctx context.Context, q dbx.Querier, prefix string, 
 }
 
 func (s sqlite) insertSQL(n int, _ string, delayed bool) string {
-	prefix, tuple := s.insertPrefix, "(?,?,?)"
 	if delayed {
-		prefix, tuple = s.insDelPrefix, "(?,?,?,?)"
+		return repeatTuples(s.insDelPrefix, "(?,?,?,?)", n)
 	}
-	var b strings.Builder
-	b.Grow(len(prefix) + n*10)
-	b.WriteString(prefix)
-	for i := range n {
-		if i > 0 {
-			b.WriteByte(',')
-		}
-		b.WriteString(tuple)
-	}
-	return b.String()
+	return repeatTuples(s.insertPrefix, "(?,?,?)", n)
 }
 
 // deliverAt is the time in Unix milliseconds, rounded up so that a delayed message is never
@@ -548,17 +538,7 @@ const pruneBatch = 10000
 // until a statement deletes fewer. SQLite keeps one table: its single writer holds no
 // snapshot that would keep deleted rows' versions alive.
 func (s sqlite) maintain(ctx context.Context, _ *partState, c dbx.Querier, opts MaintainOptions) (MaintainResult, error) {
-	var res MaintainResult
-	if !opts.Drop {
-		return res, nil
-	}
-	for {
-		n, err := c.Exec(ctx, s.pruneSQL, msInt(opts.OlderThan), pruneBatch)
-		res.Messages += n
-		if err != nil || n < pruneBatch {
-			return res, err
-		}
-	}
+	return pruneInBatches(ctx, c, s.pruneSQL, opts)
 }
 
 // heldBack: offsets commit in order on SQLite, so nothing is held back.

@@ -319,6 +319,37 @@ func (s *Store) OneStatement(rows []Row) bool {
 // (delivered when the transaction commits).
 func (s *Store) InsertSQL(n int, channel string) string { return s.db.insertSQL(n, channel, false) }
 
+// repeatTuples is prefix followed by n copies of tuple, comma-separated: a multi-row INSERT.
+func repeatTuples(prefix, tuple string, n int) string {
+	var b strings.Builder
+	b.Grow(len(prefix) + n*(len(tuple)+1))
+	b.WriteString(prefix)
+	for i := range n {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(tuple)
+	}
+	return b.String()
+}
+
+// pruneInBatches runs the retention statement sql (its arguments: the age in milliseconds,
+// then the batch) on c until a run deletes fewer than pruneBatch messages, for the databases
+// that delete settled messages row by row.
+func pruneInBatches(ctx context.Context, c dbx.Querier, sql string, opts MaintainOptions) (MaintainResult, error) {
+	var res MaintainResult
+	if !opts.Drop {
+		return res, nil
+	}
+	for {
+		n, err := c.Exec(ctx, sql, msInt(opts.OlderThan), pruneBatch)
+		res.Messages += n
+		if err != nil || n < pruneBatch {
+			return res, err
+		}
+	}
+}
+
 // quoteLiteral quotes s as an SQL string literal (s holds no backslash: it is a channel or a
 // table name built from validated parts).
 func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }

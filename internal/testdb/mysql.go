@@ -1,13 +1,11 @@
 package testdb
 
 import (
-	"context"
 	"database/sql"
 	"net/url"
 	"os"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/go-sql-driver/mysql" // the MySQL driver under test
 )
@@ -38,18 +36,7 @@ func MySQL(t testing.TB) *sql.DB {
 	if MySQLDSN() == "off" {
 		t.Skip("SQLBROKER_TEST_MYSQL_DSN=off: no MySQL test database")
 	}
-	mysqlOnce.Do(func() {
-		mysqlDB, mysqlErr = sql.Open("mysql", MySQLDSN())
-		if mysqlErr != nil {
-			return
-		}
-		mysqlDB.SetMaxOpenConns(60)
-		mysqlDB.SetMaxIdleConns(60)
-		mysqlDB.SetConnMaxIdleTime(5 * time.Second)
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		mysqlErr = mysqlDB.PingContext(ctx)
-	})
+	mysqlOnce.Do(func() { mysqlDB, mysqlErr = openShared("mysql", MySQLDSN(), 60) })
 	if mysqlErr != nil {
 		t.Fatalf("MySQL test database %s: %v (start it, or set SQLBROKER_TEST_MYSQL_DSN)", MySQLDSN(), mysqlErr)
 	}

@@ -69,22 +69,31 @@ func Pgx(t testing.TB) *pgxpool.Pool {
 // Std returns a lib/pq pool shared by the tests of a package.
 func Std(t testing.TB) *sql.DB {
 	t.Helper()
-	stdOnce.Do(func() {
-		stdDB, stdErr = sql.Open("postgres", URL())
-		if stdErr != nil {
-			return
-		}
-		stdDB.SetMaxOpenConns(30)
-		stdDB.SetMaxIdleConns(30)
-		stdDB.SetConnMaxIdleTime(5 * time.Second)
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		stdErr = stdDB.PingContext(ctx)
-	})
+	stdOnce.Do(func() { stdDB, stdErr = openShared("postgres", URL(), 30) })
 	if stdErr != nil {
 		t.Fatalf("test database %s: %v (start it, or set SQLBROKER_TEST_POSTGRES_URL)", URL(), stdErr)
 	}
 	return stdDB
+}
+
+// openShared opens a database/sql pool of up to n connections shared by a package's tests,
+// which hands idle connections back to the server soon (suites that run one after another
+// share its max_connections), and checks that the server answers.
+func openShared(driver, dsn string, n int) (*sql.DB, error) {
+	db, err := sql.Open(driver, dsn)
+	if err != nil {
+		return nil, err
+	}
+	db.SetMaxOpenConns(n)
+	db.SetMaxIdleConns(n)
+	db.SetConnMaxIdleTime(5 * time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := db.PingContext(ctx); err != nil {
+		_ = db.Close()
+		return nil, err
+	}
+	return db, nil
 }
 
 // Close closes the shared pools; TestMain calls it before checking for leaked goroutines.
