@@ -266,7 +266,7 @@ func openMySQL(rawURL string, config BrokerConfig, logger watermill.LoggerAdapte
 func parseBrokerURL(rawURL string) (driver, connURL, display string, err error) {
 	scheme, rest, ok := strings.Cut(rawURL, "://")
 	if !ok {
-		return "", "", "", &ConfigError{Field: "url", Value: "(not shown)", Reason: "is not a URL: want postgres://user@host:port/database or sqlite:path/to/file.db"}
+		return "", "", "", &ConfigError{Field: "url", Value: "(not shown)", Reason: "is not a URL: want postgres://user@host:port/database, mysql://user@host:port/database or sqlite:path/to/file.db"}
 	}
 	switch scheme {
 	case "postgres", "postgresql", "pgx+postgres", "pgx+postgresql":

@@ -29,7 +29,8 @@ func ExampleSchemaSQL() {
 
 // A value the library refuses comes back as a ConfigError that names the field.
 func ExampleConfigError() {
-	_, err := sqlbroker.Open("mysql://user:secret@localhost/db", sqlbroker.BrokerConfig{}, watermill.NopLogger{})
+	_, err := sqlbroker.Open("mysql://user:secret@localhost", sqlbroker.BrokerConfig{}, watermill.NopLogger{}) // no database
+
 	var cerr *sqlbroker.ConfigError
 	if errors.As(err, &cerr) {
 		fmt.Println("field:", cerr.Field)

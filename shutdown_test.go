@@ -429,7 +429,7 @@ func TestShutdown_S10_routerHook(t *testing.T) {
 // Open checks the URL and never shows its password.
 func TestOpen_badURLs(t *testing.T) {
 	t.Parallel()
-	for _, u := range []string{"", "not a url", "mysql://u:secret@h/db", "postgres://u:secret@/db", "postgres://u:secret@h:port/db"} {
+	for _, u := range []string{"", "not a url", "redis://u:secret@h/db", "mysql://u:secret@h", "postgres://u:secret@/db", "postgres://u:secret@h:port/db"} {
 		_, err := sqlbroker.Open(u, sqlbroker.BrokerConfig{}, nil)
 		require.Error(t, err, u)
 		assert.NotContains(t, err.Error(), "secret", u)

@@ -104,12 +104,12 @@ func TestMissingTableError_advicePerDatabase(t *testing.T) {
 	assert.NotContains(t, pg.Error(), "SQLite")
 }
 
-// Open's errors that list the URL schemes name sqlite: among them.
+// Open's errors that list the URL schemes name sqlite: and mysql:// among them.
 func TestOpen_schemeErrorsNameSQLite(t *testing.T) {
 	t.Parallel()
-	for _, u := range []string{"not a url", "mysql://u:secret@h/db"} {
+	for _, u := range []string{"not a url", "redis://u:secret@h/db"} {
 		_, err := sqlbroker.Open(u, sqlbroker.BrokerConfig{}, nil)
-		requireConfigError(t, err, "url", "postgres://", "sqlite:")
+		requireConfigError(t, err, "url", "postgres://", "sqlite:", "mysql://")
 		assert.NotContains(t, err.Error(), "secret")
 	}
 }

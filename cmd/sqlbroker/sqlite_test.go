@@ -220,9 +220,10 @@ func TestCommand_schemaForSQLite(t *testing.T) {
 // them, instead of being read as a key=value connection string.
 func TestCommand_unknownSchemeNamesSQLite(t *testing.T) {
 	t.Parallel()
-	code, _, stderr := sqlbrokerCmd(t, nil, "inspect", "-url", "mysql://u:hunter2@db/app")
+	code, _, stderr := sqlbrokerCmd(t, nil, "inspect", "-url", "redis://u:hunter2@db/app")
 	assert.Equal(t, 1, code)
 	assert.Contains(t, stderr, "sqlite:")
+	assert.Contains(t, stderr, "mysql://")
 	assert.Contains(t, stderr, "unknown scheme")
 	assert.NotContains(t, stderr, "hunter2")
 }
