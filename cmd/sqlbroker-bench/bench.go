@@ -54,6 +54,15 @@ func newBench(ctx context.Context, cfg *config) (*bench, error) {
 		admin.Close()
 		return nil, fmt.Errorf("connect to %s: %w", redact(cfg.url), err)
 	}
+	for _, c := range cfg.contenders {
+		if c.onMySQL() {
+			if err := pingMySQL(ctx, cfg.mysqlDSN); err != nil {
+				admin.Close()
+				return nil, err
+			}
+			break
+		}
+	}
 	id := make([]byte, 3)
 	_, _ = rand.Read(id)
 	for _, c := range cfg.contenders {
@@ -92,7 +101,7 @@ func (b *bench) topic(c contender, scenario string) string {
 // dropTopic drops one topic's tables at once, so that a large backlog does not stay on the
 // disk for the rest of the run.
 func (b *bench) dropTopic(c contender, topic string) {
-	if err := dropTables(b.cfg.url, map[contender][]string{c: {topic}}); err != nil {
+	if err := dropTables(b.cfg, map[contender][]string{c: {topic}}); err != nil {
 		b.logf("%v", err)
 	}
 }
@@ -101,7 +110,7 @@ func (b *bench) cleanup() {
 	b.mu.Lock()
 	topics := b.topics
 	b.mu.Unlock()
-	if err := dropTables(b.cfg.url, topics); err != nil {
+	if err := dropTables(b.cfg, topics); err != nil {
 		fmt.Fprintln(os.Stderr, "sqlbroker-bench: clean-up:", err)
 	}
 	b.admin.Close()
@@ -115,6 +124,15 @@ func (b *bench) cleanup() {
 func (b *bench) usesSQLite() bool {
 	for _, c := range b.cfg.contenders {
 		if c.onSQLite() {
+			return true
+		}
+	}
+	return false
+}
+
+func (b *bench) usesMySQL() bool {
+	for _, c := range b.cfg.contenders {
+		if c.onMySQL() {
 			return true
 		}
 	}
@@ -145,6 +163,9 @@ func (b *bench) describe() {
 	fmt.Printf("- PostgreSQL %s at %s; Go %s\n", pgVersion, redact(b.cfg.url), runtime.Version())
 	if b.usesSQLite() {
 		fmt.Printf("- %s\n", sqliteDescription(b.cfg.sqliteDir))
+	}
+	if b.usesMySQL() {
+		fmt.Printf("- %s\n", mysqlDescription(b.cfg.mysqlDSN))
 	}
 	fmt.Printf("- command: %s\n", strings.Join(os.Args, " "))
 	c := b.cfg

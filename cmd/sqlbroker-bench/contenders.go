@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
@@ -19,7 +20,7 @@ import (
 )
 
 // contender is one of the things measured: the library in one claim mode on PostgreSQL, the
-// library on SQLite, or watermill-sql.
+// library on SQLite or on MySQL, or watermill-sql on PostgreSQL or on MySQL.
 type contender int
 
 const (
@@ -27,14 +28,17 @@ const (
 	advisory
 	watermillSQL
 	sqliteLease
-	libpqLease       // lease mode through database/sql and lib/pq
-	libpqBinaryLease // the same with lib/pq's binary_parameters=yes: one round trip a statement
-	libpqPrepared    // lease mode through database/sql and lib/pq, statements prepared (StdSQLPrepared)
+	libpqLease        // lease mode through database/sql and lib/pq
+	libpqBinaryLease  // the same with lib/pq's binary_parameters=yes: one round trip a statement
+	libpqPrepared     // lease mode through database/sql and lib/pq, statements prepared (StdSQLPrepared)
+	mysqlLease        // lease mode on the MySQL or MariaDB of -mysql-dsn (sqlbroker.MySQL)
+	watermillSQLMySQL // watermill-sql on the same MySQL, with its MySQL adapters
 )
 
 var contenderNames = [...]string{
 	lease: "lease", advisory: "advisory", watermillSQL: "watermill-sql", sqliteLease: "sqlite",
 	libpqLease: "libpq", libpqBinaryLease: "libpq-binary", libpqPrepared: "libpq-prepared",
+	mysqlLease: "mysql", watermillSQLMySQL: "watermill-sql-mysql",
 }
 
 // viaLibPQ reports whether the library's publishers and subscribers of c run on a database/sql
@@ -45,6 +49,9 @@ func (c contender) viaLibPQ() bool {
 
 func (c contender) String() string { return contenderNames[c] }
 
+// contenderNameList is "lease, advisory, ...", for flag help and errors.
+func contenderNameList() string { return strings.Join(contenderNames[:], ", ") }
+
 func contenderByName(s string) (contender, bool) {
 	for i, n := range contenderNames {
 		if n == s {
@@ -54,11 +61,21 @@ func contenderByName(s string) (contender, bool) {
 	return 0, false
 }
 
-func (c contender) isLibrary() bool { return c != watermillSQL }
+// isWatermillSQL reports whether c is watermill-sql, on PostgreSQL or on MySQL.
+func (c contender) isWatermillSQL() bool { return c == watermillSQL || c == watermillSQLMySQL }
+
+func (c contender) isLibrary() bool { return !c.isWatermillSQL() }
 
 // onSQLite reports whether c runs on SQLite (its lease mode, on a file of its own per scenario)
 // rather than on the PostgreSQL of -url.
 func (c contender) onSQLite() bool { return c == sqliteLease }
+
+// onMySQL reports whether c runs on the MySQL or MariaDB of -mysql-dsn.
+func (c contender) onMySQL() bool { return c == mysqlLease || c == watermillSQLMySQL }
+
+// onPostgres reports whether c runs on the PostgreSQL of -url, whose statistics (backends,
+// transactions, table sizes, plans) some scenarios read.
+func (c contender) onPostgres() bool { return !c.onSQLite() && !c.onMySQL() }
 
 // appName marks the contender's server backends in pg_stat_activity, so that their CPU time can
 // be read from /proc.
@@ -67,6 +84,10 @@ func (c contender) appName() string { return "sqlbroker-bench-" + c.String() }
 // errNA says that a contender cannot run a scenario (the advisory claim mode while it is not
 // available yet); the table shows "n/a".
 var errNA = errors.New("not available")
+
+// errNotOnPostgres says that a scenario reads PostgreSQL's statistics, which SQLite and MySQL
+// have no counterpart of here.
+var errNotOnPostgres = fmt.Errorf("%w: the scenario counts PostgreSQL's transactions and backends", errNA)
 
 const group = "bench"
 
@@ -77,11 +98,14 @@ const group = "bench"
 // second consumer process of the same database), opened the way a program would, with
 // sqlbroker.Open on a sqlite: URL; db is a second pool on that file with the same settings,
 // for the library's statements run without a Publisher or Subscriber and for reading state.
+//
+// On MySQL, an env is a database/sql pool of go-sql-driver/mysql on -mysql-dsn (std), which
+// both the contender and the bench's reads of state run on.
 type env struct {
 	c    contender
 	cfg  *config
 	pool *pgxpool.Pool // PostgreSQL contenders (lib/pq ones: two connections, for reading state)
-	std  *sql.DB       // lib/pq contenders: the pool the library runs on
+	std  *sql.DB       // lib/pq and MySQL contenders: the pool the contender runs on
 	db   dbx.Pool      // the library's statements run here without Watermill
 
 	broker *sqlbroker.Broker // SQLite: what publishers and subscribers come from
@@ -94,6 +118,9 @@ type env struct {
 func openEnv(ctx context.Context, cfg *config, c contender) (*env, error) {
 	if c.onSQLite() {
 		return openSQLiteEnv(cfg, "")
+	}
+	if c.onMySQL() {
+		return openMySQLEnv(ctx, cfg, c)
 	}
 	pc, err := pgxpool.ParseConfig(cfg.url)
 	if err != nil {
@@ -167,6 +194,9 @@ func warmStd(ctx context.Context, db *sql.DB, n int) error {
 
 // libDB is the pool the library's publishers and subscribers of e run on.
 func (e *env) libDB() sqlbroker.DB {
+	if e.c == mysqlLease {
+		return sqlbroker.MySQL(e.std)
+	}
 	if e.c == libpqPrepared {
 		return sqlbroker.StdSQLPrepared(e.std)
 	}
@@ -212,7 +242,9 @@ func (e *env) close() {
 		e.closeSQLite()
 		return
 	}
-	e.pool.Close()
+	if e.pool != nil {
+		e.pool.Close()
+	}
 	if e.std != nil {
 		_ = e.std.Close()
 	}
@@ -228,33 +260,75 @@ func wsqlOffsets() wsql.DefaultPostgreSQLOffsetsAdapter {
 	return wsql.DefaultPostgreSQLOffsetsAdapter{}
 }
 
+// watermill-sql's adapters on MySQL: its default MySQL schema and offsets adapter, with a
+// LONGBLOB payload column, as the library's on MySQL (its default column type is JSON there
+// too, which a binary payload cannot use).
+func wsqlMySQLSchema() wsql.DefaultMySQLSchema {
+	return wsql.DefaultMySQLSchema{GeneratePayloadType: func(string) string { return "LONGBLOB" }}
+}
+
+func wsqlMySQLOffsets() wsql.DefaultMySQLOffsetsAdapter {
+	return wsql.DefaultMySQLOffsetsAdapter{}
+}
+
+// wsqlAdapters are watermill-sql's adapters on c's database.
+func (c contender) wsqlAdapters() (wsql.SchemaAdapter, wsql.OffsetsAdapter) {
+	if c.onMySQL() {
+		return wsqlMySQLSchema(), wsqlMySQLOffsets()
+	}
+	return wsqlSchema(), wsqlOffsets()
+}
+
+// wsqlDB is the pool watermill-sql runs on in e.
+func (e *env) wsqlDB() wsql.Beginner {
+	if e.c.onMySQL() {
+		return wsql.BeginnerFromStdSQL(e.std)
+	}
+	return wsql.BeginnerFromPgx(e.pool)
+}
+
+// wsqlSubscriber builds a watermill-sql subscriber of the bench consumer group.
+func (e *env) wsqlSubscriber() (*wsql.Subscriber, error) {
+	schema, offs := e.c.wsqlAdapters()
+	return wsql.NewSubscriber(e.wsqlDB(), wsql.SubscriberConfig{
+		ConsumerGroup: group, SchemaAdapter: schema, OffsetsAdapter: offs,
+	}, nil)
+}
+
 func libTables(topic string) offsets.Tables {
 	return offsets.NewTables("", sqlbroker.DefaultTablePrefix, topic)
 }
 
-// tables are the library's tables of topic in e's database.
-func (e *env) tables(topic string) offsets.Tables {
-	if e.c.onSQLite() {
+// tables are the library's tables of topic in c's database.
+func (c contender) tables(topic string) offsets.Tables {
+	switch {
+	case c.onSQLite():
 		return libTables(topic).OnSQLite()
+	case c.onMySQL():
+		return libTables(topic).On(dbx.MySQL)
 	}
 	return libTables(topic)
 }
 
+// tables are the library's tables of topic in e's database.
+func (e *env) tables(topic string) offsets.Tables { return e.c.tables(topic) }
+
 // tableNames are the quoted names of the tables a contender creates for topic.
 func (c contender) tableNames(topic string) []string {
-	if c == watermillSQL {
+	switch c {
+	case watermillSQL:
 		return []string{wsqlSchema().MessagesTable(topic), wsqlOffsets().MessagesOffsetsTable(topic)}
+	case watermillSQLMySQL:
+		return []string{wsqlMySQLSchema().MessagesTable(topic), wsqlMySQLOffsets().MessagesOffsetsTable(topic)}
 	}
-	t := libTables(topic)
+	t := c.tables(topic)
 	return []string{t.Messages, t.Groups, t.Claims}
 }
 
 // createTopic creates the topic's tables before anything is timed.
 func (e *env) createTopic(ctx context.Context, topic string) error {
-	if e.c == watermillSQL {
-		sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(e.pool), wsql.SubscriberConfig{
-			ConsumerGroup: group, SchemaAdapter: wsqlSchema(), OffsetsAdapter: wsqlOffsets(),
-		}, nil)
+	if e.c.isWatermillSQL() {
+		sub, err := e.wsqlSubscriber()
 		if err != nil {
 			return err
 		}
@@ -265,8 +339,9 @@ func (e *env) createTopic(ctx context.Context, topic string) error {
 }
 
 func (e *env) publisher() (message.Publisher, error) {
-	if e.c == watermillSQL {
-		return wsql.NewPublisher(wsql.BeginnerFromPgx(e.pool), wsql.PublisherConfig{SchemaAdapter: wsqlSchema()}, nil)
+	if e.c.isWatermillSQL() {
+		schema, _ := e.c.wsqlAdapters()
+		return wsql.NewPublisher(e.wsqlDB(), wsql.PublisherConfig{SchemaAdapter: schema}, nil)
 	}
 	if e.c.onSQLite() {
 		return e.broker.NewPublisher(sqlbroker.PublisherConfig{})
@@ -277,20 +352,19 @@ func (e *env) publisher() (message.Publisher, error) {
 // subscriber builds a subscriber of the bench consumer group. maxInFlight 0 keeps the library's
 // default; watermill-sql has no such setting (one message of a group is in flight at a time).
 func (e *env) subscriber(maxInFlight int) (message.Subscriber, error) {
-	switch e.c {
-	case watermillSQL:
-		return wsql.NewSubscriber(wsql.BeginnerFromPgx(e.pool), wsql.SubscriberConfig{
-			ConsumerGroup: group, SchemaAdapter: wsqlSchema(), OffsetsAdapter: wsqlOffsets(),
-		}, nil)
-	case sqliteLease:
+	switch {
+	case e.c.isWatermillSQL():
+		return e.wsqlSubscriber()
+	case e.c.onSQLite():
 		return e.broker.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: group, MaxInFlight: maxInFlight, OrderByKey: e.orderByKey})
 	default:
-		return e.pgSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: group, MaxInFlight: maxInFlight, OrderByKey: e.orderByKey})
+		return e.poolSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: group, MaxInFlight: maxInFlight, OrderByKey: e.orderByKey})
 	}
 }
 
-// pgSubscriber builds a library subscriber on PostgreSQL in the contender's claim mode.
-func (e *env) pgSubscriber(cfg sqlbroker.SubscriberConfig) (message.Subscriber, error) {
+// poolSubscriber builds a library subscriber on the contender's pool (PostgreSQL's, or
+// MySQL's) in its claim mode.
+func (e *env) poolSubscriber(cfg sqlbroker.SubscriberConfig) (message.Subscriber, error) {
 	cfg.ClaimMode = sqlbroker.ClaimLease
 	if e.c == advisory {
 		cfg.ClaimMode = sqlbroker.ClaimAdvisoryLock
@@ -318,6 +392,9 @@ func (e *env) checkSubscriber() error {
 func (e *env) drained(ctx context.Context, topic string) (bool, error) {
 	if e.c.onSQLite() {
 		return e.drainedSQLite(ctx, topic)
+	}
+	if e.c.onMySQL() {
+		return e.drainedMySQL(ctx, topic)
 	}
 	var ok bool
 	var q string
@@ -358,27 +435,44 @@ func (e *env) waitDrained(ctx context.Context, topic string, limit time.Duration
 	}
 }
 
-// dropTables drops the tables of topics created by c, with a fresh bounded context so that it
-// runs also after the run's deadline has passed.
-func dropTables(url string, byContender map[contender][]string) error {
+// dropTables drops the tables of topics created by c, each in its contender's database, with
+// a fresh bounded context so that it runs also after the run's deadline has passed.
+func dropTables(cfg *config, byContender map[contender][]string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
+	var onPostgres, onMySQL []string
+	for c, topics := range byContender {
+		if c.onSQLite() {
+			continue // the database file goes with its env
+		}
+		for _, topic := range topics {
+			if c.onMySQL() {
+				onMySQL = append(onMySQL, c.tableNames(topic)...)
+			} else {
+				onPostgres = append(onPostgres, c.tableNames(topic)...)
+			}
+		}
+	}
+	var errs []error
+	if len(onPostgres) > 0 {
+		errs = append(errs, dropPostgresTables(ctx, cfg.url, onPostgres))
+	}
+	if len(onMySQL) > 0 {
+		errs = append(errs, dropMySQLTables(ctx, cfg.mysqlDSN, onMySQL))
+	}
+	return errors.Join(errs...)
+}
+
+func dropPostgresTables(ctx context.Context, url string, tables []string) error {
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		return fmt.Errorf("drop tables: %w", err)
 	}
 	defer conn.Close(ctx)
 	var errs []error
-	for c, topics := range byContender {
-		if c.onSQLite() {
-			continue // the database file goes with its env
-		}
-		for _, topic := range topics {
-			for _, t := range c.tableNames(topic) {
-				if _, err := conn.Exec(ctx, "DROP TABLE IF EXISTS "+t); err != nil {
-					errs = append(errs, fmt.Errorf("drop %s: %w", t, err))
-				}
-			}
+	for _, t := range tables {
+		if _, err := conn.Exec(ctx, "DROP TABLE IF EXISTS "+t); err != nil {
+			errs = append(errs, fmt.Errorf("drop %s: %w", t, err))
 		}
 	}
 	return errors.Join(errs...)

@@ -20,6 +20,14 @@
 // sends a statement with arguments in one round trip instead of two; "libpq-prepared" is
 // sqlbroker.StdSQLPrepared, whose statements are prepared once per connection.
 //
+// The contenders "mysql" and "watermill-sql-mysql" run on the MySQL or MariaDB of -mysql-dsn
+// (go-sql-driver/mysql): the library's lease mode (sqlbroker.MySQL), and watermill-sql with
+// its default MySQL schema (a LONGBLOB payload) and offsets adapter. Run side by side, the
+// first gets its ratio to the second's figures, not to watermill-sql's on PostgreSQL. The
+// scenarios that read PostgreSQL's statistics (8, 9, 11, 12, and 10's claims rows) are n/a
+// for them, as is order by key (13), which the library has on PostgreSQL and SQLite only. The
+// server's CPU (row 1s) is measured on PostgreSQL only.
+//
 // It is a module of its own, so that watermill-sql is a dependency of the benchmark only and
 // never of the library's users. From the repository's root:
 //
@@ -60,7 +68,7 @@
 // connections receive (-idle-proxy); they also print, second by second, the transaction count
 // of the whole database (pg_stat_database), which backends report up to 10 s late. With
 // -idle-proxy=false their figures come from that count, less a baseline: point -url at a
-// database nothing else uses. They do not apply to SQLite.
+// database nothing else uses. They do not apply to SQLite or MySQL.
 //
 // Every topic gets a unique name and every table created is dropped at the end.
 package main
@@ -90,6 +98,7 @@ type config struct {
 	traceSQL      bool
 	serverProfile bool
 	sqliteDir     string // the run's directory of SQLite files, made inside -sqlite-dir
+	mysqlDSN      string
 
 	drainN          int           // 1
 	drainInFlight   int           // 1
@@ -152,9 +161,10 @@ func parseFlags() (*config, error) {
 	}
 	scen := flag.String("scenarios", strings.Join(defaults, ","), "scenarios to run, by number or name ("+scenarioList()+")")
 	flag.IntVar(&c.rounds, "rounds", 5, "interleaved rounds: each scenario runs this many times for every contender, one contender after the other; the table shows each figure's median, and each ratio's median and range over the rounds")
-	cont := flag.String("contenders", "lease,advisory,watermill-sql,sqlite", "contenders to run (lease, advisory, watermill-sql, sqlite, libpq, libpq-binary, libpq-prepared)")
+	cont := flag.String("contenders", "lease,advisory,watermill-sql,sqlite", "contenders to run ("+contenderNameList()+")")
 	flag.StringVar(&c.sqliteDir, "sqlite-dir", os.TempDir(), "the sqlite contender's database files go in a new directory inside this one (local disk: not a tmpfs, or commits cost nothing)")
 	flag.StringVar(&c.url, "url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL")
+	flag.StringVar(&c.mysqlDSN, "mysql-dsn", "root@tcp(127.0.0.1:3306)/test?interpolateParams=true", "MySQL or MariaDB DSN of the mysql and watermill-sql-mysql contenders, in go-sql-driver/mysql's format (interpolateParams=true: a statement in one round trip instead of three)")
 	flag.IntVar(&c.poolSize, "pool", 20, "connections in each contender's pool")
 	flag.IntVar(&c.payloadSize, "payload", 256, "payload bytes per message")
 	flag.DurationVar(&c.timeout, "timeout", 60*time.Minute, "bound on the whole run")
@@ -258,7 +268,7 @@ func parseFlags() (*config, error) {
 		}
 		k, ok := contenderByName(s)
 		if !ok {
-			return nil, fmt.Errorf("-contenders: %q is not one of lease, advisory, watermill-sql, sqlite, libpq, libpq-binary, libpq-prepared", s)
+			return nil, fmt.Errorf("-contenders: %q is not one of %s", s, contenderNameList())
 		}
 		c.contenders = append(c.contenders, k)
 	}

@@ -46,10 +46,12 @@ func orderedRows(c *config) []rowDef {
 
 func scenarioOrdered(ctx context.Context, b *bench, c contender) error {
 	switch c {
-	case watermillSQL:
+	case watermillSQL, watermillSQLMySQL:
 		return fmt.Errorf("%w: watermill-sql has no order per key (one message per consumer group at a time)", errNA)
 	case advisory:
 		return fmt.Errorf("%w: the advisory mode refuses OrderByKey", errNA)
+	case mysqlLease:
+		return fmt.Errorf("%w: the library has no order by key on MySQL", errNA)
 	}
 	cfg := b.cfg
 	type run struct {

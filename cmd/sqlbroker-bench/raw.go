@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -9,7 +10,6 @@ import (
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 
 	sqlbroker "github.com/sqlbroker/watermill-sqlbroker"
 	"github.com/sqlbroker/watermill-sqlbroker/internal/offsets"
@@ -18,7 +18,7 @@ import (
 // Scenario 7: the raw SQL limit. Each library's own statements, taken from its exported code
 // (offsets.Store for this library; the schema and offsets adapters for watermill-sql), run in a
 // tight loop on one pool, without Watermill and without the library's goroutines. The library's
-// figure beside its scenario 1 and 5 figures shows how much of what PostgreSQL allows it uses.
+// figure beside its scenario 1 and 5 figures shows how much of what its database allows it uses.
 func scenarioRaw(ctx context.Context, b *bench, c contender) error {
 	if c == advisory {
 		b.results.setText("7a", c, "= lease")
@@ -120,12 +120,13 @@ func (r *rawOps) store(topic string) *offsets.Store {
 }
 
 func (r *rawOps) insert(ctx context.Context, topic string, msgs []*message.Message) error {
-	if r.e.c == watermillSQL {
-		q, err := wsqlSchema().InsertQuery(wsql.InsertQueryParams{Topic: topic, Msgs: msgs})
+	if r.e.c.isWatermillSQL() {
+		schema, _ := r.e.c.wsqlAdapters()
+		q, err := schema.InsertQuery(wsql.InsertQueryParams{Topic: topic, Msgs: msgs})
 		if err != nil {
 			return err
 		}
-		_, err = r.e.pool.Exec(ctx, q.Query, q.Args...)
+		_, err = r.e.wsqlDB().ExecContext(ctx, q.Query, q.Args...)
 		return err
 	}
 	rows := make([]offsets.Row, len(msgs))
@@ -170,17 +171,19 @@ func (r *rawOps) drain(ctx context.Context, topic string, want int) (int, error)
 
 // claimAcker returns one claim+ack round: for the library, Store.Claim of 100 then Store.Ack of
 // what it claimed (two statements, no transaction, as the library runs them); for
-// watermill-sql, its select and offset ack in one REPEATABLE READ transaction, as its subscriber
-// runs them.
+// watermill-sql, its select, its consumed mark of each row (MySQL's offsets adapter has one)
+// and its offset ack in one transaction at its schema's isolation level (REPEATABLE READ on
+// PostgreSQL, SERIALIZABLE on MySQL), as its subscriber runs them.
 func (r *rawOps) claimAcker(ctx context.Context, topic string) (func() (int, error), error) {
-	if r.e.c == watermillSQL {
-		oa, sa := wsqlOffsets(), wsqlSchema()
+	if r.e.c.isWatermillSQL() {
+		sa, oa := r.e.c.wsqlAdapters()
+		db := r.e.wsqlDB()
 		before, err := oa.BeforeSubscribingQueries(wsql.BeforeSubscribingQueriesParams{Topic: topic, ConsumerGroup: group})
 		if err != nil {
 			return nil, err
 		}
 		for _, q := range before {
-			if _, err := r.e.pool.Exec(ctx, q.Query, q.Args...); err != nil {
+			if _, err := db.ExecContext(ctx, q.Query, q.Args...); err != nil {
 				return nil, err
 			}
 		}
@@ -188,13 +191,14 @@ func (r *rawOps) claimAcker(ctx context.Context, topic string) (func() (int, err
 		if err != nil {
 			return nil, err
 		}
+		opts := &sql.TxOptions{Isolation: sa.SubscribeIsolationLevel()}
 		return func() (int, error) {
-			tx, err := r.e.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+			tx, err := db.BeginTx(ctx, opts)
 			if err != nil {
 				return 0, err
 			}
-			defer tx.Rollback(context.WithoutCancel(ctx))
-			rows, err := tx.Query(ctx, sel.Query, sel.Args...)
+			defer tx.Rollback() // after Commit, a no-op
+			rows, err := tx.QueryContext(ctx, sel.Query, sel.Args...)
 			if err != nil {
 				return 0, err
 			}
@@ -202,26 +206,39 @@ func (r *rawOps) claimAcker(ctx context.Context, topic string) (func() (int, err
 			for rows.Next() {
 				row, err := sa.UnmarshalMessage(wsql.UnmarshalMessageParams{Row: rows})
 				if err != nil {
-					rows.Close()
+					_ = rows.Close()
 					return 0, err
 				}
 				got = append(got, row)
 			}
-			rows.Close()
-			if err := rows.Err(); err != nil {
+			_ = rows.Close()
+			// wsql.Rows has no Err; the rows of both its adapters (pgx's, database/sql's) do.
+			if err := rows.(interface{ Err() error }).Err(); err != nil {
 				return 0, err
 			}
 			if len(got) == 0 {
-				return 0, tx.Commit(ctx)
+				return 0, tx.Commit()
+			}
+			for _, row := range got {
+				q, err := oa.ConsumedMessageQuery(wsql.ConsumedMessageQueryParams{Topic: topic, Row: row, ConsumerGroup: group})
+				if err != nil {
+					return 0, err
+				}
+				if q.IsZero() {
+					continue
+				}
+				if _, err := tx.ExecContext(ctx, q.Query, q.Args...); err != nil {
+					return 0, err
+				}
 			}
 			ack, err := oa.AckMessageQuery(wsql.AckMessageQueryParams{Topic: topic, LastRow: got[len(got)-1], Rows: got, ConsumerGroup: group})
 			if err != nil {
 				return 0, err
 			}
-			if _, err := tx.Exec(ctx, ack.Query, ack.Args...); err != nil {
+			if _, err := tx.ExecContext(ctx, ack.Query, ack.Args...); err != nil {
 				return 0, err
 			}
-			return len(got), tx.Commit(ctx)
+			return len(got), tx.Commit()
 		}, nil
 	}
 

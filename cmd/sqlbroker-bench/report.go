@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"html"
 	"math"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -303,45 +304,46 @@ func (r *results) derive(cs []contender) {
 	}
 }
 
-// comparedWithPeer reports whether c's figures get a ratio to watermill-sql's: the library on
-// the same PostgreSQL does; on SQLite it runs on another database, where a ratio would say
-// nothing about either.
+// comparedWithPeer reports whether c's figures get a ratio to its peer's, watermill-sql on the
+// same database: the library on PostgreSQL and on MySQL does; on SQLite it runs on a database
+// watermill-sql is not measured on, where a ratio would say nothing about either.
 func (c contender) comparedWithPeer() bool { return c.isLibrary() && !c.onSQLite() }
 
-// markdown renders the table: every library figure on PostgreSQL beside its ratio to
-// watermill-sql's figure (value / watermill-sql's value, whatever the direction of the unit).
-// A figure is the median over the rounds; a ratio is the median of the ratios of each round
-// (the two contenders ran one after the other in it), with their range, min to max. A range
-// that has 1x inside it is marked: the row shows no lead either way.
+// peer is the watermill-sql that c's figures are compared with: the one on c's database.
+func (c contender) peer() contender {
+	if c.onMySQL() {
+		return watermillSQLMySQL
+	}
+	return watermillSQL
+}
+
+// markdown renders the table: every library figure on PostgreSQL or MySQL beside its ratio to
+// its peer's figure, watermill-sql's on the same database (value / the peer's value, whatever
+// the direction of the unit), when the peer ran too. A figure is the median over the rounds;
+// a ratio is the median of the ratios of each round (the two contenders ran one after the
+// other in it), with their range, min to max. A range that has 1x inside it is marked: the
+// row shows no lead either way.
 func (r *results) markdown(cs []contender) string {
 	var b strings.Builder
 	var libs []contender
-	hasPeer := false
 	for _, c := range cs {
-		switch {
-		case c.comparedWithPeer():
+		if c.comparedWithPeer() && slices.Contains(cs, c.peer()) {
 			libs = append(libs, c)
-		case c == watermillSQL:
-			hasPeer = true
 		}
 	}
 	b.WriteString("| # | scenario | unit | better |")
 	for _, c := range cs {
 		fmt.Fprintf(&b, " %s |", c)
 	}
-	if hasPeer {
-		for _, c := range libs {
-			fmt.Fprintf(&b, " %s / watermill-sql |", c)
-		}
+	for _, c := range libs {
+		fmt.Fprintf(&b, " %s / %s |", c, c.peer())
 	}
 	b.WriteString("\n|---|---|---|---|")
 	for range cs {
 		b.WriteString("---:|")
 	}
-	if hasPeer {
-		for range libs {
-			b.WriteString("---:|")
-		}
+	for range libs {
+		b.WriteString("---:|")
 	}
 	b.WriteString("\n")
 	for _, d := range r.defs {
@@ -356,10 +358,8 @@ func (r *results) markdown(cs []contender) string {
 		for _, c := range cs {
 			fmt.Fprintf(&b, " %s |", r.show(d.id, c))
 		}
-		if hasPeer {
-			for _, c := range libs {
-				fmt.Fprintf(&b, " %s |", r.ratio(d.id, c))
-			}
+		for _, c := range libs {
+			fmt.Fprintf(&b, " %s |", r.ratio(d.id, c))
 		}
 		b.WriteString("\n")
 	}
@@ -385,10 +385,10 @@ func (r *results) show(id string, c contender) string {
 	return "-"
 }
 
-// ratioStats are the median and range of c's figure over watermill-sql's for row id, each
-// round's figures divided by each other.
+// ratioStats are the median and range of c's figure over its peer's for row id, each round's
+// figures divided by each other.
 func (r *results) ratioStats(id string, c contender) (stats, bool) {
-	mine, peer := r.rounds(id, c), r.rounds(id, watermillSQL)
+	mine, peer := r.rounds(id, c), r.rounds(id, c.peer())
 	var vs []float64
 	for k, v := range mine {
 		if p, ok := peer[k]; ok && p != 0 {
@@ -415,10 +415,10 @@ func (r *results) ratio(id string, c contender) string {
 	return fmt.Sprintf("%s (%s-%s)%s", formatRatio(st.med), formatRatioNumber(st.lo), formatRatioNumber(st.hi), mark)
 }
 
-// svg draws, for every row, each claim mode's figure over watermill-sql's figure in the same
-// run: the ratio of the table's last columns (the median over the rounds), in the same
-// direction (never inverted), on a log scale with watermill-sql at 1x, with a whisker over
-// the range of the rounds' ratios. Every row says which side is better, so a bar to the left
+// svg draws, for every row, each library contender's figure over its peer's (watermill-sql's
+// on the same database) in the same run: the ratio of the table's last columns (the median
+// over the rounds), in the same direction (never inverted), on a log scale with watermill-sql
+// at 1x, with a whisker over the range of the rounds' ratios. Every row says which side is better, so a bar to the left
 // of 1x is the library ahead on a lower-is-better row. A ratio beyond the axis is drawn to the
 // axis end with an arrow, and its true value is written beside it. Hand-written SVG: no
 // dependency.
@@ -443,7 +443,7 @@ func (r *results) svg(cs []contender, rounds int) string {
 			if !ok || st.lo <= 0 {
 				continue
 			}
-			bars = append(bars, bar{c: c, ratio: st, raw: fmt.Sprintf("%s vs %s %s", r.show(d.id, c), r.show(d.id, watermillSQL), d.unit)})
+			bars = append(bars, bar{c: c, ratio: st, raw: fmt.Sprintf("%s vs %s %s", r.show(d.id, c), r.show(d.id, c.peer()), d.unit)})
 		}
 		if len(bars) > 0 {
 			better := "higher is better"
@@ -465,7 +465,7 @@ func (r *results) svg(cs []contender, rounds int) string {
 		leftPad = 10
 		arrow   = 7.0 // length of the arrow head on a clipped bar
 	)
-	colors := map[contender]string{lease: "#2b6cb0", advisory: "#38a169"}
+	colors := map[contender]string{lease: "#2b6cb0", advisory: "#38a169", mysqlLease: "#dd6b20"}
 	height := top + 40
 	for _, l := range lines {
 		height += len(l.bars)*barH + gap
@@ -477,7 +477,7 @@ func (r *results) svg(cs []contender, rounds int) string {
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", width, height)
 	fmt.Fprintf(&b, `<rect width="100%%" height="100%%" fill="white"/>`+"\n")
 	fmt.Fprintf(&b, `<text x="%d" y="22" font-size="15" font-weight="bold">watermill-sqlbroker / watermill-sql (same run, %d interleaved rounds), log scale</text>`+"\n", leftPad, rounds)
-	fmt.Fprintf(&b, `<text x="%d" y="40" fill="#555">bar = median of the rounds' library figure / watermill-sql figure, as in the table; whisker = their range; red line = watermill-sql (1x); an arrow marks a bar cut at the axis end</text>`+"\n", leftPad)
+	fmt.Fprintf(&b, `<text x="%d" y="40" fill="#555">bar = median of the rounds' library figure / watermill-sql figure on the same database, as in the table; whisker = their range; red line = watermill-sql (1x); an arrow marks a bar cut at the axis end</text>`+"\n", leftPad)
 	lx := leftPad
 	for _, c := range cs {
 		if col, ok := colors[c]; ok {

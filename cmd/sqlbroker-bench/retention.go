@@ -28,8 +28,11 @@ import (
 // its WAL's, the pages in use (the file's, less its free list: deleted rows free pages that
 // SQLite reuses, without VACUUM) and the messages table's rows.
 func scenarioRetention(ctx context.Context, b *bench, c contender) error {
-	if c == watermillSQL {
+	if c.isWatermillSQL() {
 		return fmt.Errorf("%w: watermill-sql has no retention", errNA)
+	}
+	if c.onMySQL() {
+		return fmt.Errorf("%w: the scenario reads the sizes of PostgreSQL's tables or of SQLite's file", errNA)
 	}
 	cfg := b.cfg
 	e, topic, err := b.prepare(ctx, c, "retention", 0)
@@ -48,7 +51,7 @@ func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 	if c.onSQLite() {
 		sub, err = e.broker.NewSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: "retention", Retention: cfg.retention})
 	} else {
-		sub, err = e.pgSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: "retention", Retention: cfg.retention})
+		sub, err = e.poolSubscriber(sqlbroker.SubscriberConfig{ConsumerGroup: "retention", Retention: cfg.retention})
 	}
 	if err != nil {
 		return err

@@ -129,7 +129,7 @@ func (b *bench) runRouter(ctx context.Context, e *env, topic string, r routerRun
 		r.onStart()
 	}
 	var prof *serverProfile
-	if b.cfg.serverProfile && r.profile != "" && !e.c.onSQLite() {
+	if b.cfg.serverProfile && r.profile != "" && e.c.onPostgres() {
 		prof = startServerProfile(ctx, b.admin, e.c.appName(), 100*time.Millisecond)
 	}
 	start := time.Now()
@@ -207,7 +207,7 @@ func scenarioDrain(ctx context.Context, b *bench, c contender) error {
 	}
 	defer e.close()
 	defer b.dropTopic(c, topic)
-	if b.cfg.explain && b.firstRound() && c.isLibrary() && !c.onSQLite() {
+	if b.cfg.explain && b.firstRound() && c.isLibrary() && c.onPostgres() {
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 1, %s, %d rows, group at the head", c, b.cfg.drainN), false)
 	}
 	if b.cfg.traceSQL {
@@ -235,7 +235,7 @@ func scenarioSlow(ctx context.Context, b *bench, c contender) error {
 		id       string
 		inFlight int
 	}{{"2a", 16}, {"2b", 256}} {
-		if c == watermillSQL && x.id == "2b" {
+		if c.isWatermillSQL() && x.id == "2b" {
 			if v, ok := b.results.get("2a", c); ok {
 				b.results.set("2b", c, v)
 			}
@@ -247,8 +247,8 @@ func scenarioSlow(ctx context.Context, b *bench, c contender) error {
 		}
 		b.results.set(x.id, c, v)
 	}
-	if c == watermillSQL {
-		b.results.note("watermill-sql, scenario 2: one run serves rows 2a and 2b (it has no in-flight setting: one message per consumer group at a time)")
+	if c.isWatermillSQL() {
+		b.results.note(fmt.Sprintf("%s, scenario 2: one run serves rows 2a and 2b (it has no in-flight setting: one message per consumer group at a time)", c))
 	}
 	return nil
 }
@@ -304,7 +304,7 @@ func scenarioInstances(ctx context.Context, b *bench, c contender) error {
 // it runs once and its figures serve both pairs of rows.
 func scenarioLatency(ctx context.Context, b *bench, c contender) error {
 	modes := []bool{false, true}
-	if c == watermillSQL {
+	if c.isWatermillSQL() {
 		modes = []bool{false}
 	}
 	for _, elsewhere := range modes {
@@ -318,14 +318,14 @@ func scenarioLatency(ctx context.Context, b *bench, c contender) error {
 		} else {
 			b.results.set("4a", c, ms(p50))
 			b.results.set("4b", c, ms(p99))
-			if c == watermillSQL {
+			if c.isWatermillSQL() {
 				b.results.set("4c", c, ms(p50))
 				b.results.set("4d", c, ms(p99))
 			}
 		}
 	}
-	if c == watermillSQL {
-		b.results.note("watermill-sql, scenario 4: one run serves the in-process and elsewhere rows (it polls, with no in-process wake-up)")
+	if c.isWatermillSQL() {
+		b.results.note(fmt.Sprintf("%s, scenario 4: one run serves the in-process and elsewhere rows (it polls, with no in-process wake-up)", c))
 	}
 	return nil
 }
@@ -480,7 +480,7 @@ func scenarioPublish(ctx context.Context, b *bench, c contender) error {
 	}
 	msgs := newMessages(b.cfg.publishBatchN, b.payload)
 	var prof *serverProfile
-	if b.cfg.serverProfile && !c.onSQLite() {
+	if b.cfg.serverProfile && c.onPostgres() {
 		prof = startServerProfile(ctx, b.admin, c.appName(), 100*time.Millisecond)
 		defer prof.halt() // when the loop below ends early
 	}
@@ -561,7 +561,7 @@ func scenarioMemory(ctx context.Context, b *bench, c contender) error {
 	}
 	defer e.close()
 	defer b.dropTopic(c, topic)
-	if b.cfg.explain && b.firstRound() && c.isLibrary() && !c.onSQLite() {
+	if b.cfg.explain && b.firstRound() && c.isLibrary() && c.onPostgres() {
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 6, %s, %d rows, group at the head", c, b.cfg.memoryN), false)
 		b.explainClaim(ctx, topic, fmt.Sprintf("scenario 6, %s, %d rows, group at the tail", c, b.cfg.memoryN), true)
 	}

@@ -92,16 +92,20 @@ func sqliteDescription(dir string) string {
 		cancel()
 		_ = db.Close()
 	}
-	module := "modernc.org/sqlite"
+	return fmt.Sprintf("SQLite %s (%s) in %s (%s), journal_mode=WAL, synchronous=NORMAL, a fresh file per scenario",
+		version, moduleVersion("modernc.org/sqlite"), dir, fileSystem(dir))
+}
+
+// moduleVersion is module's path and the version this program was built with.
+func moduleVersion(module string) string {
 	if bi, ok := debug.ReadBuildInfo(); ok {
 		for _, d := range bi.Deps {
 			if d.Path == module {
-				module += " " + d.Version
+				return module + " " + d.Version
 			}
 		}
 	}
-	return fmt.Sprintf("SQLite %s (%s) in %s (%s), journal_mode=WAL, synchronous=NORMAL, a fresh file per scenario",
-		version, module, dir, fileSystem(dir))
+	return module
 }
 
 // fileSystem is the type of the file system dir is on, read from /proc/mounts (the longest
@@ -123,7 +127,3 @@ func fileSystem(dir string) string {
 	}
 	return fs
 }
-
-// errNotOnSQLite says that a scenario reads PostgreSQL's statistics, which SQLite has no
-// counterpart of.
-var errNotOnSQLite = fmt.Errorf("%w: the scenario counts PostgreSQL's transactions and backends", errNA)
