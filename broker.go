@@ -223,7 +223,9 @@ func openSQLite(rest string, config BrokerConfig, logger watermill.LoggerAdapter
 // openMySQL builds a Broker on the MySQL or MariaDB database of a mysql:// URL, through the
 // driver github.com/go-sql-driver/mysql, which the program imports. The URL's parameters are
 // the driver's (tls, charset, timeouts, ...); interpolateParams is on unless the URL says
-// otherwise: each statement then costs one round trip instead of three.
+// otherwise: each statement then costs one round trip instead of three. Every session of the
+// broker's pool runs at READ COMMITTED, so that the library's transactions begin in one round
+// trip.
 func openMySQL(rawURL string, config BrokerConfig, logger watermill.LoggerAdapter) (*Broker, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil || u.Host == "" || strings.Trim(u.Path, "/") == "" || strings.Contains(strings.Trim(u.Path, "/"), "/") {
@@ -253,13 +255,11 @@ func openMySQL(rawURL string, config BrokerConfig, logger watermill.LoggerAdapte
 		user += "@"
 	}
 	dsn := user + "tcp(" + host + ")/" + strings.Trim(u.Path, "/") + "?" + params.Encode()
-	db, err := sql.Open("mysql", dsn) // lazy: no connection yet
+	pool, err := dbx.OpenMySQLPool(dsn, config.MaxConns) // lazy: no connection yet
 	if err != nil {
 		return nil, fmt.Errorf("sqlbroker: Open %s: %s", display, redact(err.Error(), rawURL))
 	}
-	db.SetMaxOpenConns(config.MaxConns)
-	db.SetMaxIdleConns(config.MaxConns)
-	return &Broker{config: config, logger: logger, driver: "mysql", display: display, pool: dbx.NewMySQLPool(db), done: make(chan struct{})}, nil
+	return &Broker{config: config, logger: logger, driver: "mysql", display: display, pool: pool, done: make(chan struct{})}, nil
 }
 
 // parseBrokerURL picks the driver and returns the URL to hand it, and the URL to show.
@@ -316,7 +316,8 @@ func (b *Broker) PgxPool() *pgxpool.Pool {
 // or nil for pgx, for the caller's own statements and transactions: begin one on it and
 // publish inside it with NewTxPublisher(StdTx(tx), ...), or SQLiteTx on SQLite, where the
 // broker's pool begins every transaction with BEGIN IMMEDIATE (unless the URL sets _txlock),
-// or MySQLTx on MySQL. Never close it: Shutdown does, last.
+// or MySQLTx on MySQL, where the broker's sessions run at READ COMMITTED. Never close it:
+// Shutdown does, last.
 func (b *Broker) SQLDB() *sql.DB {
 	switch p := b.pool.(type) {
 	case *dbx.StdPool:

@@ -22,10 +22,58 @@ import (
 type MySQLPool struct {
 	stdQ
 	DB *sql.DB
+
+	// sessionRC: every session of the pool runs at READ COMMITTED (OpenMySQLPool), so a
+	// transaction begins without setting its level, one round trip fewer.
+	sessionRC bool
 }
 
 // NewMySQLPool wraps db, a pool of the driver github.com/go-sql-driver/mysql.
 func NewMySQLPool(db *sql.DB) *MySQLPool { return &MySQLPool{stdQ: stdQ{db}, DB: db} }
+
+// OpenMySQLPool opens a pool of up to maxConns connections of the driver registered as
+// "mysql" on dsn, for the library alone: each connection's session is set to READ COMMITTED
+// as it connects. The caller's transactions on it begin at that level too.
+func OpenMySQLPool(dsn string, maxConns int) (*MySQLPool, error) {
+	probe, err := sql.Open("mysql", dsn)
+	if err != nil {
+		return nil, err
+	}
+	drv := probe.Driver()
+	_ = probe.Close()
+	dc, ok := drv.(driver.DriverContext)
+	if !ok {
+		return nil, errors.New("dbx: the driver registered as mysql cannot open a connector")
+	}
+	conn, err := dc.OpenConnector(dsn)
+	if err != nil {
+		return nil, err
+	}
+	db := sql.OpenDB(readCommittedConnector{conn})
+	db.SetMaxOpenConns(maxConns)
+	db.SetMaxIdleConns(maxConns)
+	return &MySQLPool{stdQ: stdQ{db}, DB: db, sessionRC: true}, nil
+}
+
+// readCommittedConnector sets each new connection's session to READ COMMITTED.
+type readCommittedConnector struct{ driver.Connector }
+
+func (c readCommittedConnector) Connect(ctx context.Context) (driver.Conn, error) {
+	conn, err := c.Connector.Connect(ctx)
+	if err != nil {
+		return nil, err
+	}
+	ex, ok := conn.(driver.ExecerContext)
+	if !ok {
+		_ = conn.Close()
+		return nil, errors.New("dbx: the MySQL driver's connection cannot run a statement")
+	}
+	if _, err := ex.ExecContext(ctx, "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED", nil); err != nil {
+		_ = conn.Close()
+		return nil, err
+	}
+	return conn, nil
+}
 
 func (p *MySQLPool) Dialect() Dialect { return MySQL }
 func (p *MySQLPool) Driver() string   { return "mysql" }
@@ -35,8 +83,16 @@ func (p *MySQLPool) Close()           { _ = p.DB.Close() }
 // readCommitted are the options of every transaction the library begins.
 var readCommitted = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 
+// txOptions are the options of the transactions the library begins on the pool.
+func (p *MySQLPool) txOptions() *sql.TxOptions {
+	if p.sessionRC {
+		return nil
+	}
+	return readCommitted
+}
+
 func (p *MySQLPool) Begin(ctx context.Context) (Tx, error) {
-	tx, err := p.DB.BeginTx(ctx, readCommitted)
+	tx, err := p.DB.BeginTx(ctx, p.txOptions())
 	if err != nil {
 		return nil, err
 	}
@@ -50,7 +106,7 @@ func (p *MySQLPool) Acquire(ctx context.Context) (Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	mc := &mysqlConn{stdQ: stdQ{c}, c: c, pool: p.DB}
+	mc := &mysqlConn{stdQ: stdQ{c}, c: c, pool: p.DB, opts: p.txOptions()}
 	if _, err := mc.PID(ctx); err != nil {
 		mc.Destroy()
 		return nil, err
@@ -80,6 +136,7 @@ type mysqlConn struct {
 	stdQ
 	c         *sql.Conn
 	pool      *sql.DB
+	opts      *sql.TxOptions // of the transactions the library begins on it
 	dedicated bool
 	unreserve func()
 
@@ -90,7 +147,7 @@ type mysqlConn struct {
 func (c *mysqlConn) Dialect() Dialect { return MySQL }
 
 func (c *mysqlConn) Begin(ctx context.Context) (Tx, error) {
-	tx, err := c.c.BeginTx(ctx, readCommitted)
+	tx, err := c.c.BeginTx(ctx, c.opts)
 	if err != nil {
 		return nil, err
 	}

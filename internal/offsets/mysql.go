@@ -203,6 +203,7 @@ type mysqlTopic struct {
 	ensureGrpSQL string
 	lookupGrpSQL string
 	lockRowsSQL  string // claim rows by token, locked: the prefix, then "?,?,...)"
+	ackRowSQL    string // deletes the row of a token that holds exactly the offsets given
 	pruneSQL     string
 }
 
@@ -231,6 +232,7 @@ func (mysql) prepare(t Tables, _ bool) database {
 	s.ensureGrpSQL = fmt.Sprintf("INSERT IGNORE INTO %[1]s (`consumer_group`, `last_offset`, `updated_at`)\n"+
 		"SELECT ?, CASE WHEN ? THEN coalesce((SELECT max(`offset`) FROM %[2]s), 0) ELSE 0 END, %[3]s", t.Groups, t.Messages, mysqlNow)
 	s.lookupGrpSQL = fmt.Sprintf("SELECT `group_id` FROM %s WHERE `consumer_group` = ?", t.Groups)
+	s.ackRowSQL = fmt.Sprintf("DELETE FROM %s WHERE `group_id` = ? AND `token` = ? AND `offsets` = ?", t.Claims)
 	s.lockRowsSQL = fmt.Sprintf("SELECT `token`, `attempts`, `offsets`, %s FROM %s WHERE `group_id` = ? AND `token` IN (", mysqlNow, t.Claims)
 	// Retention deletes the messages every group has passed (the head row aside), no claim
 	// row holds or comes after, and that were written long enough ago.
@@ -537,6 +539,11 @@ const mysqlSettleChunk = 1000
 // token, writes each row back once, and returns the offsets it settled: the others were
 // stale (L3).
 func (s mysql) settle(ctx context.Context, q dbx.Querier, op settleOp, groupID int32, fs []Fenced, d time.Duration) (map[int64]bool, error) {
+	if op == settleAck {
+		if done, ok, err := s.ackWholeRow(ctx, q, groupID, fs); ok || err != nil {
+			return done, err
+		}
+	}
 	var done map[int64]bool
 	err := mysqlInTx(ctx, q, func(tx dbx.Querier) error {
 		var err error
@@ -547,6 +554,38 @@ func (s mysql) settle(ctx context.Context, q dbx.Querier, op settleOp, groupID i
 		return map[int64]bool{}, err
 	}
 	return done, nil
+}
+
+// ackWholeRow acks fs in one statement when they are of one token and are exactly the offsets
+// of one of its rows, as the acks of a claim's messages settled together are (each claim of a
+// subscription with MaxInFlight 1): the row is deleted if it holds those offsets and no other.
+// It reports false, having changed nothing, when that does not match: the locking path then
+// settles fs.
+func (s mysql) ackWholeRow(ctx context.Context, q dbx.Querier, groupID int32, fs []Fenced) (map[int64]bool, bool, error) {
+	if len(fs) == 0 {
+		return nil, false, nil
+	}
+	offs := make([]int64, 0, len(fs))
+	for _, f := range fs {
+		if f.Token != fs[0].Token {
+			return nil, false, nil
+		}
+		offs = append(offs, f.Offset)
+	}
+	slices.Sort(offs)
+	offs = slices.Compact(offs)
+	n, err := q.Exec(ctx, s.ackRowSQL, groupID, fs[0].Token, packOffsets(offs))
+	if err != nil {
+		return map[int64]bool{}, true, err
+	}
+	if n == 0 {
+		return nil, false, nil
+	}
+	done := make(map[int64]bool, len(offs))
+	for _, o := range offs {
+		done[o] = true
+	}
+	return done, true, nil
 }
 
 // settleIn is settle in the transaction tx; it also returns the attempt count of each offset

@@ -157,6 +157,36 @@ func maps(done map[int64]bool, want ...int64) bool {
 	return true
 }
 
+// An ack of one token's offsets that are exactly one of its rows deletes the row in one
+// statement; one that takes only part of a row, or a stale one, goes the locking way and
+// leaves the rest of the row held.
+func TestMySQL_ackWholeAndPartRows(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	store, pool, gid := mysqlStore(t, ctx, plainRows(4))
+	rows := func() int64 { return count(t, ctx, pool, "SELECT count(*) FROM "+store.T.Claims) }
+	cs, err := store.Claim(ctx, pool, gid, 5, time.Minute, 2, offsets.DueNone, nil)
+	if err != nil || len(cs) != 2 {
+		t.Fatalf("claim: %+v, %v", cs, err)
+	}
+	if done, err := store.Ack(ctx, pool, gid, offsets.Fence(cs, 5)); err != nil || !maps(done, 1, 2) || rows() != 0 {
+		t.Fatalf("whole-row ack: %v, %v, %d rows left", done, err, rows())
+	}
+	cs, err = store.Claim(ctx, pool, gid, 6, time.Minute, 2, offsets.DueNone, nil)
+	if err != nil || len(cs) != 2 {
+		t.Fatalf("claim: %+v, %v", cs, err)
+	}
+	if done, err := store.Ack(ctx, pool, gid, offsets.Fence(cs, 5)); err != nil || len(done) != 0 || rows() != 1 {
+		t.Fatalf("stale whole-row ack: %v, %v, %d rows", done, err, rows())
+	}
+	if done, err := store.Ack(ctx, pool, gid, offsets.Fence(cs[:1], 6)); err != nil || !maps(done, 3) || rows() != 1 {
+		t.Fatalf("part-row ack: %v, %v, %d rows", done, err, rows())
+	}
+	if done, err := store.Ack(ctx, pool, gid, offsets.Fence(cs[1:], 6)); err != nil || !maps(done, 4) || rows() != 0 {
+		t.Fatalf("the rest of the row: %v, %v, %d rows", done, err, rows())
+	}
+}
+
 // A claim passes delayed messages (their rows come due at their time, with no holder) and
 // hands them out once due, at attempt 1.
 func TestMySQL_delayed(t *testing.T) {
