@@ -5,6 +5,7 @@ go 1.26.0
 require (
 	github.com/ThreeDotsLabs/watermill v1.5.1
 	github.com/ThreeDotsLabs/watermill-sql/v4 v4.1.2
+	github.com/go-sql-driver/mysql v1.10.2
 	github.com/prometheus/client_golang v1.23.2
 	github.com/sqlbroker/watermill-sqlbroker v0.0.0
 	github.com/stretchr/testify v1.11.1
@@ -12,6 +13,7 @@ require (
 )
 
 require (
+	filippo.io/edwards25519 v1.2.0 // indirect
 	github.com/beorn7/perks v1.0.1 // indirect
 	github.com/cenkalti/backoff/v5 v5.0.3 // indirect
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect
