@@ -3,11 +3,13 @@ package sqlbroker_test
 import (
 	"context"
 	"database/sql"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -325,5 +327,51 @@ func TestMySQL_shutdownCancelsClaimInFlight(t *testing.T) {
 	m := testdb.Receive(t, msgs, 10*time.Second)
 	assert.Equal(t, "a", string(m.Payload))
 	assert.Equal(t, "1", m.Metadata.Get(sqlbroker.MetadataAttempt))
+	m.Ack()
+}
+
+// A message nacked at its MaxAttempts-th attempt moves to the dead-letter topic with where it
+// came from in its metadata, and a delayed message is handed out no earlier than its time.
+func TestMySQL_deadLetterAndDelay(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	raw := testdb.MySQL(t)
+	db := sqlbroker.MySQL(raw)
+	topic := "mysql_dl_" + strings.ToLower(watermill.NewShortUUID())
+	pub, err := sqlbroker.NewPublisher(db, sqlbroker.PublisherConfig{InitializeSchema: true}, nil)
+	require.NoError(t, err)
+	defer pub.Close()
+	t.Cleanup(func() {
+		dropMySQLTopic(t, raw, topic)
+		dropMySQLTopic(t, raw, topic+sqlbroker.DefaultDeadLetterSuffix)
+	})
+	sub, err := sqlbroker.NewSubscriber(db, sqlbroker.SubscriberConfig{
+		InitializeSchema: true, MaxAttempts: 2, NackBackoff: sqlbroker.NoBackoff, PollInterval: 20 * time.Millisecond,
+	}, nil)
+	require.NoError(t, err)
+	defer sub.Close()
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish(topic, message.NewMessage("bad", []byte("x"))))
+	for attempt := 1; attempt <= 2; attempt++ {
+		m := testdb.Receive(t, msgs, 10*time.Second)
+		assert.Equal(t, strconv.Itoa(attempt), m.Metadata.Get(sqlbroker.MetadataAttempt))
+		m.Nack()
+	}
+	dead, err := sub.Subscribe(ctx, topic+sqlbroker.DefaultDeadLetterSuffix)
+	require.NoError(t, err)
+	m := testdb.Receive(t, dead, 10*time.Second)
+	assert.Equal(t, "bad", m.UUID)
+	assert.Equal(t, topic, m.Metadata.Get(sqlbroker.MetadataDeadLetterTopic))
+	assert.Equal(t, "2", m.Metadata.Get(sqlbroker.MetadataDeadLetterAttempts))
+	m.Ack()
+
+	later := message.NewMessage("later", nil)
+	at := time.Now().Add(800 * time.Millisecond)
+	delay.Message(later, delay.Until(at))
+	require.NoError(t, pub.Publish(topic, later))
+	m = testdb.Receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "later", m.UUID)
+	assert.False(t, time.Now().Before(at), "handed out before its time")
 	m.Ack()
 }
