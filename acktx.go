@@ -38,7 +38,7 @@ var ErrNotDelivered = errors.New("sqlbroker: the message was not delivered by a 
 // PostgreSQL default.
 func AckInTx(ctx context.Context, tx DB, msg *message.Message) error {
 	if tx.tx == nil {
-		return &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap the caller's transaction: use sqlbroker.PgxTx, sqlbroker.StdTx or sqlbroker.SQLiteTx"}
+		return &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap the caller's transaction: use sqlbroker.PgxTx, sqlbroker.StdTx, sqlbroker.SQLiteTx or sqlbroker.MySQLTx"}
 	}
 	if msg == nil {
 		return fmt.Errorf("sqlbroker: AckInTx: %w", ErrNotDelivered)

@@ -98,7 +98,7 @@ type Admin struct {
 	dialect dbx.Dialect
 }
 
-// NewAdmin builds an Admin on db, which must wrap a pool (Pgx, StdSQL or SQLite). Every
+// NewAdmin builds an Admin on db, which must wrap a pool (Pgx, StdSQL, SQLite or MySQL). Every
 // method runs on SQLite too, except MigrateWatermillSQL (watermill-sql's tables are
 // PostgreSQL's): there Inspect reports what has a meaning on SQLite and marks the rest not
 // applicable (see Horizon.NotApplicable).
@@ -107,7 +107,7 @@ func NewAdmin(db DB, config AdminConfig) (*Admin, error) {
 		return nil, err
 	}
 	if db.pool == nil {
-		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL or sqlbroker.SQLite"}
+		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL, sqlbroker.SQLite or sqlbroker.MySQL"}
 	}
 	config.setDefaults()
 	if err := config.validate(); err != nil {

@@ -354,7 +354,7 @@ func (b *Broker) NewPublisher(config PublisherConfig) (*Publisher, error) {
 // back with that transaction, whenever the caller ends it.
 func (b *Broker) NewTxPublisher(tx DB, config PublisherConfig) (*Publisher, error) {
 	if tx.tx == nil {
-		return nil, &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap a transaction: use sqlbroker.PgxTx, sqlbroker.StdTx or sqlbroker.SQLiteTx"}
+		return nil, &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap a transaction: use sqlbroker.PgxTx, sqlbroker.StdTx, sqlbroker.SQLiteTx or sqlbroker.MySQLTx"}
 	}
 	if b.isClosed() {
 		return nil, ErrClosed

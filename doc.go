@@ -1,11 +1,13 @@
 // Package sqlbroker is a Watermill Publisher and Subscriber over SQL tables: PostgreSQL, for
-// pgx/v5 and database/sql, and SQLite (the lease mode) through modernc.org/sqlite.
+// pgx/v5 and database/sql, and in the lease mode SQLite through modernc.org/sqlite and MySQL or
+// MariaDB through github.com/go-sql-driver/mysql.
 //
 // # Drivers
 //
-// Wrap the caller's pool with Pgx, StdSQL or SQLite, or the caller's transaction with PgxTx,
-// StdTx or SQLiteTx to publish inside it. The library never closes a pool it was given. Open
-// builds a Broker that owns its pool from a URL (postgres:// or sqlite:).
+// Wrap the caller's pool with Pgx, StdSQL, SQLite or MySQL, or the caller's transaction with
+// PgxTx, StdTx, SQLiteTx or MySQLTx to publish inside it. The library never closes a pool it
+// was given. Open builds a Broker that owns its pool from a URL (postgres://, sqlite: or
+// mysql://).
 //
 // # Delivery
 //

@@ -113,15 +113,15 @@ type KeyRepository struct {
 	closeOnce sync.Once
 }
 
-// NewKeyRepository builds a KeyRepository on db, which must wrap a pool (Pgx, StdSQL or
-// SQLite). It connects to nothing: the table is checked (or created, with
+// NewKeyRepository builds a KeyRepository on db, which must wrap a pool (Pgx, StdSQL, SQLite or
+// MySQL). It connects to nothing: the table is checked (or created, with
 // InitializeSchema) on first use. Call Close to stop the background pruning.
 func NewKeyRepository(db DB, config KeyRepositoryConfig) (*KeyRepository, error) {
 	if err := db.refused(); err != nil {
 		return nil, err
 	}
 	if db.pool == nil {
-		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL or sqlbroker.SQLite (a transaction goes to WithTx)"}
+		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL, sqlbroker.SQLite or sqlbroker.MySQL (a transaction goes to WithTx)"}
 	}
 	config.setDefaults()
 	if err := config.validate(db.dialect()); err != nil {
@@ -198,7 +198,7 @@ type KeyRepositoryTx struct {
 // IsDuplicate is KeyRepository.IsDuplicate inside the transaction.
 func (t *KeyRepositoryTx) IsDuplicate(ctx context.Context, key string) (bool, error) {
 	if t.q == nil {
-		return false, &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap the caller's transaction: use sqlbroker.PgxTx, sqlbroker.StdTx or sqlbroker.SQLiteTx"}
+		return false, &ConfigError{Field: "tx", Value: "not a transaction", Reason: "must wrap the caller's transaction: use sqlbroker.PgxTx, sqlbroker.StdTx, sqlbroker.SQLiteTx or sqlbroker.MySQLTx"}
 	}
 	if err := t.r.ensure(ctx, t.q); err != nil {
 		return false, err

@@ -60,7 +60,7 @@ func NewPublisher(db DB, config PublisherConfig, logger watermill.LoggerAdapter)
 		return nil, err
 	}
 	if !db.valid() {
-		return nil, &ConfigError{Field: "db", Value: "empty DB", Reason: "must wrap a pool or transaction: use sqlbroker.Pgx, StdSQL, SQLite, PgxTx, StdTx or SQLiteTx"}
+		return nil, &ConfigError{Field: "db", Value: "empty DB", Reason: "must wrap a pool or transaction: use sqlbroker.Pgx, StdSQL, SQLite, MySQL, PgxTx, StdTx, SQLiteTx or MySQLTx"}
 	}
 	config.setDefaults()
 	if err := config.validate(); err != nil {

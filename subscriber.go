@@ -90,15 +90,15 @@ type Stats struct {
 	LocksHeld        int   // advisory locks held by the lock connections, now (advisory mode)
 }
 
-// NewSubscriber builds a Subscriber on db, which must wrap a pool (Pgx, StdSQL or SQLite; on
-// SQLite the lease mode only). A nil logger logs nothing. Nothing is sent to the database
+// NewSubscriber builds a Subscriber on db, which must wrap a pool (Pgx, StdSQL, SQLite or
+// MySQL; on SQLite and MySQL the lease mode only). A nil logger logs nothing. Nothing is sent to the database
 // until Subscribe.
 func NewSubscriber(db DB, config SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	if err := db.refused(); err != nil {
 		return nil, err
 	}
 	if db.pool == nil {
-		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL or sqlbroker.SQLite (a transaction can only publish)"}
+		return nil, &ConfigError{Field: "db", Value: "not a pool", Reason: "must wrap a pool: use sqlbroker.Pgx, sqlbroker.StdSQL, sqlbroker.SQLite or sqlbroker.MySQL (a transaction can only publish)"}
 	}
 	batch := config.BatchSize
 	config.setDefaults()

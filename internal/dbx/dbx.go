@@ -1,8 +1,9 @@
 // Package dbx is the seam between the library and its database drivers: pgx/v5 and
 // database/sql (lib/pq, pgx's stdlib) on PostgreSQL, database/sql with modernc.org/sqlite on
-// SQLite. Above it, code speaks only these interfaces and asks a Dialect what the database can
-// do; every driver detail (argument conversion, cancellation, connection identity, SQLite's
-// write gate) stays in the adapter files (pgx.go, std.go, sqlite.go).
+// SQLite and with github.com/go-sql-driver/mysql on MySQL. Above it, code speaks only these
+// interfaces and asks a Dialect what the database can do; every driver detail (argument
+// conversion, cancellation, connection identity, isolation, SQLite's write gate) stays in the
+// adapter files (pgx.go, std.go, sqlite.go, mysql.go).
 package dbx
 
 import (
@@ -10,7 +11,8 @@ import (
 	"errors"
 )
 
-// Querier runs statements. SQL text uses $n placeholders, which every driver accepts.
+// Querier runs statements. SQL text uses the placeholders of its database: $n on PostgreSQL,
+// $n or ? on SQLite, ? on MySQL.
 //
 // A statement says itself whether it writes: Exec runs one that writes, Query one that only
 // reads, and QueryWrite (below) one that writes and returns rows. SQLite lets one writer of the
