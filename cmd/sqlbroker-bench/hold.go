@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strconv"
@@ -24,6 +25,12 @@ import (
 // removes no dead row of any table. Each second it prints the rates, the lag and, for the
 // topic's three tables, the index entries read per index scan in that second and the dead
 // rows; at the end a summary of the hold.
+//
+// On MySQL the reader is a REPEATABLE READ transaction begun WITH CONSISTENT SNAPSHOT, whose
+// read view keeps InnoDB's purge from removing any row version written after it (the history
+// list grows). InnoDB keeps no count per table of the records a scan steps over, so each
+// second shows instead the rows InnoDB read, the whole server's, per message handled (the
+// library does not count its claim statements), and the history list length.
 
 const (
 	holdPublishers = 8   // goroutines publishing the paced batches
@@ -49,13 +56,20 @@ type tableStat struct {
 	read, scans, dead int64
 }
 
+// innodbStat is what a sample reads of InnoDB on MySQL: the rows read so far, the whole
+// server's, and the history list length now.
+type innodbStat struct {
+	rowsRead, history int64
+}
+
 type holdSample struct {
 	at        time.Duration // since the start
 	published int64
 	due       int64 // what the pacer should have published by now
 	handled   []int64
-	stats     [holdTables]tableStat
-	inHold    bool // the span since the previous sample lay wholly inside the hold
+	stats     [holdTables]tableStat // PostgreSQL
+	innodb    innodbStat            // MySQL
+	inHold    bool                  // the span since the previous sample lay wholly inside the hold
 }
 
 // entriesPerScan is the index entries read per index scan of table k between two samples,
@@ -66,6 +80,19 @@ func entriesPerScan(from, to holdSample, k int) float64 {
 		return -1
 	}
 	return float64(to.stats[k].read-from.stats[k].read) / float64(scans)
+}
+
+// rowsPerHandled is the rows InnoDB read between two samples per message handled by the
+// groups in that time, or -1 when none was handled.
+func rowsPerHandled(from, to holdSample) float64 {
+	var n int64
+	for g := range to.handled {
+		n += to.handled[g] - from.handled[g]
+	}
+	if n <= 0 {
+		return -1
+	}
+	return float64(to.innodb.rowsRead-from.innodb.rowsRead) / float64(n)
 }
 
 func formatPerScan(v float64) string {
@@ -142,6 +169,28 @@ func formatSizes(s [holdTables]int64) string {
 	return fmt.Sprintf("%s; total %.1f MiB", strings.Join(parts, ", "), mib(uint64(total)))
 }
 
+// snapshotHolder is the reader's open transaction: a holdReader on PostgreSQL, a
+// mysqlHoldReader on MySQL.
+type snapshotHolder interface {
+	end() error     // commits the transaction and closes its connection
+	String() string // its connection and snapshot, for the line that announces it
+}
+
+func (b *bench) openSnapshotHolder(ctx context.Context, c contender, messages string) (snapshotHolder, error) {
+	if c.onMySQL() {
+		r, err := openMySQLHoldReader(ctx, b.cfg.mysqlDSN, messages)
+		if err != nil {
+			return nil, err
+		}
+		return r, nil
+	}
+	r, err := b.openHoldReader(ctx, messages)
+	if err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
 // holdReader is a REPEATABLE READ transaction on a connection of its own that has taken its
 // snapshot: while it is open, vacuum removes no row version that died after that snapshot.
 type holdReader struct {
@@ -190,13 +239,120 @@ func (r *holdReader) end() error {
 	return errors.Join(err, r.conn.Close(ctx))
 }
 
+func (r *holdReader) String() string { return fmt.Sprintf("pid %d, backend_xmin %s", r.pid, r.xmin) }
+
+// mysqlHoldReader is the reader on MySQL: a REPEATABLE READ transaction begun WITH
+// CONSISTENT SNAPSHOT on a connection of its own, whose read view keeps InnoDB's purge from
+// removing any row version written after it was opened.
+type mysqlHoldReader struct {
+	db      *sql.DB
+	conn    *sql.Conn
+	id      int64  // CONNECTION_ID()
+	started string // trx_started in INNODB_TRX (its trx_id is 0 on MariaDB while it writes nothing)
+}
+
+// openMySQLHoldReader begins the transaction, reads one row of the messages table so that the
+// read view is surely open, and checks in INNODB_TRX that InnoDB holds the transaction at
+// REPEATABLE READ.
+func openMySQLHoldReader(ctx context.Context, dsn, messages string) (*mysqlHoldReader, error) {
+	db, err := sql.Open("mysql", dsn)
+	if err != nil {
+		return nil, fmt.Errorf("-mysql-dsn: %w", err)
+	}
+	db.SetMaxOpenConns(1)
+	conn, err := db.Conn(ctx)
+	if err != nil {
+		_ = db.Close()
+		return nil, fmt.Errorf("reader: connect: %w", err)
+	}
+	r := &mysqlHoldReader{db: db, conn: conn}
+	fail := func(err error) (*mysqlHoldReader, error) {
+		_ = conn.Close()
+		_ = db.Close()
+		return nil, err
+	}
+	// The session's level is set, whatever the server's default: at READ COMMITTED the
+	// snapshot would last one statement (and WITH CONSISTENT SNAPSHOT is ignored).
+	for _, q := range []string{"SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ",
+		"START TRANSACTION WITH CONSISTENT SNAPSHOT", "SELECT 1 FROM " + messages + " LIMIT 1"} {
+		if _, err := conn.ExecContext(ctx, q); err != nil {
+			return fail(fmt.Errorf("reader: %s: %w", q, err))
+		}
+	}
+	var level string
+	err = conn.QueryRowContext(ctx, "SELECT CONNECTION_ID(), trx_started, trx_isolation_level FROM information_schema.INNODB_TRX "+
+		"WHERE trx_mysql_thread_id = CONNECTION_ID()").Scan(&r.id, &r.started, &level)
+	if errors.Is(err, sql.ErrNoRows) {
+		return fail(errors.New("reader: its transaction is not in information_schema.INNODB_TRX: it holds no read view"))
+	}
+	if err != nil {
+		return fail(fmt.Errorf("reader: read its transaction in INNODB_TRX: %w", err))
+	}
+	if level != "REPEATABLE READ" {
+		return fail(fmt.Errorf("reader (connection %d): its transaction runs at %s, not REPEATABLE READ", r.id, level))
+	}
+	return r, nil
+}
+
+func (r *mysqlHoldReader) end() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err := r.conn.ExecContext(ctx, "COMMIT")
+	return errors.Join(err, r.conn.Close(), r.db.Close())
+}
+
+func (r *mysqlHoldReader) String() string {
+	return fmt.Sprintf("connection %d, in INNODB_TRX since %s", r.id, r.started)
+}
+
+// rowsReadCounter names the global status counter of the rows InnoDB has read:
+// Innodb_rows_read, or on a MariaDB that dropped it (MDEV-28539) Rows_read, the server's count
+// of rows read from its tables, which are all InnoDB's here.
+func rowsReadCounter(ctx context.Context, db *sql.DB) (string, error) {
+	rows, err := db.QueryContext(ctx, "SHOW GLOBAL STATUS WHERE Variable_name IN ('Innodb_rows_read', 'Rows_read')")
+	if err != nil {
+		return "", fmt.Errorf("read the rows read counter: %w", err)
+	}
+	defer rows.Close()
+	found := map[string]bool{}
+	for rows.Next() {
+		var name, value string
+		if err := rows.Scan(&name, &value); err != nil {
+			return "", fmt.Errorf("read the rows read counter: %w", err)
+		}
+		found[name] = true
+	}
+	if err := rows.Err(); err != nil {
+		return "", fmt.Errorf("read the rows read counter: %w", err)
+	}
+	for _, name := range []string{"Innodb_rows_read", "Rows_read"} {
+		if found[name] {
+			return name, nil
+		}
+	}
+	return "", errors.New("the server has neither Innodb_rows_read nor Rows_read in SHOW GLOBAL STATUS")
+}
+
+// readInnoDB reads the rows read so far (counter, from rowsReadCounter) and the history list
+// length.
+func readInnoDB(ctx context.Context, db *sql.DB, counter string) (innodbStat, error) {
+	var st innodbStat
+	var name string
+	if err := db.QueryRowContext(ctx, "SHOW GLOBAL STATUS LIKE '"+counter+"'").Scan(&name, &st.rowsRead); err != nil {
+		return st, fmt.Errorf("read %s: %w", counter, err)
+	}
+	if err := db.QueryRowContext(ctx, "SELECT count FROM information_schema.INNODB_METRICS WHERE name = 'trx_rseg_history_len'").Scan(&st.history); err != nil {
+		return st, fmt.Errorf("read trx_rseg_history_len: %w", err)
+	}
+	return st, nil
+}
+
 // holdSpan is when the reader held the horizon, since the start of the run.
 type holdSpan struct {
 	mu             sync.Mutex
 	opened, closed bool
 	from, to       time.Duration
-	pid            uint32
-	xmin           string
+	reader         string // its connection and snapshot
 	err            error
 }
 
@@ -312,9 +468,6 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 	if c.onSQLite() {
 		return fmt.Errorf("%w: SQLite has no snapshot that holds vacuum back", errNA)
 	}
-	if c.onMySQL() {
-		return fmt.Errorf("%w: the scenario holds back PostgreSQL's vacuum and reads its statistics", errNA)
-	}
 	cfg := b.cfg
 	e, topic, err := b.prepare(ctx, c, "hold", 0)
 	if err != nil {
@@ -322,7 +475,27 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 	}
 	defer e.close()
 	defer b.dropTopic(c, topic)
-	tables := libTables(topic)
+	tables := e.tables(topic)
+	// readServer fills a sample's figures of the server: PostgreSQL's statistics of the topic's
+	// tables, or InnoDB's counters on MySQL.
+	readServer := func(s *holdSample) (err error) {
+		s.stats, err = b.holdStats(ctx, tables)
+		return err
+	}
+	var rowsCounter string
+	if c.onMySQL() {
+		// MySQL counts the history list length by default; a MariaDB may not.
+		if _, err := e.std.ExecContext(ctx, "SET GLOBAL innodb_monitor_enable = 'trx_rseg_history_len'"); err != nil {
+			return fmt.Errorf("enable InnoDB's counter trx_rseg_history_len (SET GLOBAL needs SUPER or SYSTEM_VARIABLES_ADMIN): %w", err)
+		}
+		if rowsCounter, err = rowsReadCounter(ctx, e.std); err != nil {
+			return err
+		}
+		readServer = func(s *holdSample) (err error) {
+			s.innodb, err = readInnoDB(ctx, e.std, rowsCounter)
+			return err
+		}
+	}
 	pub, err := e.publisher()
 	if err != nil {
 		return err
@@ -375,17 +548,27 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 		return errors.New("router did not start within 30s")
 	}
 
-	fmt.Printf("## Scenario 11, hold: %s, %d consumer group(s) of %d subscribers, %d msg/s offered for %s, Retention %s; "+
-		"a REPEATABLE READ reader holds the xmin horizon from %s for %s\n\n",
-		c, groups, holdSubs, cfg.holdRate, cfg.holdDuration, cfg.holdRetention, cfg.holdAt, cfg.holdFor)
-	fmt.Printf("Rates per second; handled: one column per group; lag = published - handled, of the group furthest behind. " +
-		"Per table: index entries read per index scan in that second (pg_stat_user_indexes, summed over the table's indexes; - = no scan) " +
-		"and dead rows (n_dead_tup). Backends report these counts about once a second, so a second's figures may include the one before.\n\n")
-	fmt.Printf("%5s %-6s %8s %-*s %8s | %8s %9s | %8s %9s | %8s %9s\n", "t", "phase", "offered", 8*groups+groups-1, "handled", "lag",
-		"claims", "dead", "messages", "dead", "groups", "dead")
+	if c.onMySQL() {
+		fmt.Printf("## Scenario 11, hold: %s, %d consumer group(s) of %d subscribers, %d msg/s offered for %s, Retention %s; "+
+			"a REPEATABLE READ reader (WITH CONSISTENT SNAPSHOT) holds InnoDB's purge back from %s for %s\n\n",
+			c, groups, holdSubs, cfg.holdRate, cfg.holdDuration, cfg.holdRetention, cfg.holdAt, cfg.holdFor)
+		fmt.Printf("Rates per second; handled: one column per group; lag = published - handled, of the group furthest behind. "+
+			"rows/msg: the rows InnoDB read in that second (%s, the whole server's) per message handled (- = none handled); "+
+			"history: InnoDB's history list length (trx_rseg_history_len), the committed transactions whose undo logs purge has not yet removed.\n\n", rowsCounter)
+		fmt.Printf("%5s %-6s %8s %-*s %8s | %8s %9s\n", "t", "phase", "offered", 8*groups+groups-1, "handled", "lag", "rows/msg", "history")
+	} else {
+		fmt.Printf("## Scenario 11, hold: %s, %d consumer group(s) of %d subscribers, %d msg/s offered for %s, Retention %s; "+
+			"a REPEATABLE READ reader holds the xmin horizon from %s for %s\n\n",
+			c, groups, holdSubs, cfg.holdRate, cfg.holdDuration, cfg.holdRetention, cfg.holdAt, cfg.holdFor)
+		fmt.Printf("Rates per second; handled: one column per group; lag = published - handled, of the group furthest behind. " +
+			"Per table: index entries read per index scan in that second (pg_stat_user_indexes, summed over the table's indexes; - = no scan) " +
+			"and dead rows (n_dead_tup). Backends report these counts about once a second, so a second's figures may include the one before.\n\n")
+		fmt.Printf("%5s %-6s %8s %-*s %8s | %8s %9s | %8s %9s | %8s %9s\n", "t", "phase", "offered", 8*groups+groups-1, "handled", "lag",
+			"claims", "dead", "messages", "dead", "groups", "dead")
+	}
 
-	st0, err := b.holdStats(ctx, tables)
-	if err != nil {
+	s0 := holdSample{handled: make([]int64, groups)}
+	if err := readServer(&s0); err != nil {
 		return err
 	}
 	start := time.Now()
@@ -409,14 +592,14 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 		case <-runCtx.Done():
 			return
 		}
-		r, err := b.openHoldReader(runCtx, tables.Messages)
+		r, err := b.openSnapshotHolder(runCtx, c, tables.Messages)
 		span.mu.Lock()
 		if err != nil {
 			span.err = err
 			span.mu.Unlock()
 			return
 		}
-		span.opened, span.from, span.pid, span.xmin = true, time.Since(start), r.pid, r.xmin
+		span.opened, span.from, span.reader = true, time.Since(start), r.String()
 		span.mu.Unlock()
 		select {
 		case <-time.After(cfg.holdFor):
@@ -435,7 +618,7 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 		<-readerDone
 	}()
 
-	samples := []holdSample{{handled: make([]int64, groups), stats: st0}}
+	samples := []holdSample{s0}
 	var sizesAtStart, sizesAtEnd [holdTables]int64
 	var haveStartSizes, haveEndSizes, announced bool
 	tick := time.NewTicker(time.Second)
@@ -453,7 +636,7 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 		for g := range handled {
 			s.handled[g] = handled[g].Load()
 		}
-		if s.stats, err = b.holdStats(ctx, tables); err != nil {
+		if err := readServer(&s); err != nil {
 			return err
 		}
 		prev := samples[len(samples)-1]
@@ -469,30 +652,34 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 		if opened && !announced {
 			announced = true
 			span.mu.Lock()
-			fmt.Printf("      reader opened at %s: pid %d, backend_xmin %s\n", span.from.Round(time.Millisecond), span.pid, span.xmin)
+			fmt.Printf("      reader opened at %s: %s\n", span.from.Round(time.Millisecond), span.reader)
 			span.mu.Unlock()
 		}
-		if opened && !haveStartSizes {
+		// MySQL's sizes of the tables are estimates, refreshed when InnoDB recomputes its
+		// statistics: not read.
+		if c.onPostgres() && opened && !haveStartSizes {
 			if sizesAtStart, err = b.holdSizes(ctx, tables); err != nil {
 				return err
 			}
 			haveStartSizes = true
 		}
-		if closed && !haveEndSizes {
+		if c.onPostgres() && closed && !haveEndSizes {
 			if sizesAtEnd, err = b.holdSizes(ctx, tables); err != nil {
 				return err
 			}
 			haveEndSizes = true
 		}
-		printHoldLine(prev, s, span, cfg.holdRate)
+		printHoldLine(c, prev, s, span, cfg.holdRate)
 		if s.at >= cfg.holdDuration-100*time.Millisecond {
 			break
 		}
 	}
 	stopPacer()
-	sizesFinal, err := b.holdSizes(ctx, tables)
-	if err != nil {
-		return err
+	var sizesFinal [holdTables]int64
+	if c.onPostgres() {
+		if sizesFinal, err = b.holdSizes(ctx, tables); err != nil {
+			return err
+		}
 	}
 	_, _, from, to, _ := span.get()
 	sum := summarizeHold(samples, p, cfg.holdRate)
@@ -502,18 +689,30 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 		b.results.set("11a", c, 100*sum.minWindow)
 	}
 	b.results.set("11b", c, float64(sum.maxLag))
-	if v := sum.perScan[holdClaims][2]; v >= 0 {
-		b.results.set("11c", c, v)
-	}
-	if v := sum.perScan[holdMessages][2]; v >= 0 {
-		b.results.set("11d", c, v)
-	}
-	if haveEndSizes {
-		var total int64
-		for _, v := range sizesAtEnd {
-			total += v
+	if c.onMySQL() {
+		for _, id := range []string{"11c", "11d", "11e"} {
+			b.results.setText(id, c, "n/a")
 		}
-		b.results.set("11e", c, mib(uint64(total)))
+		if v := sum.rowsPerMsg[2]; v >= 0 {
+			b.results.set("11f", c, v)
+		}
+		if sum.holdSeconds > 0 {
+			b.results.set("11g", c, float64(sum.history[1]))
+		}
+	} else {
+		if v := sum.perScan[holdClaims][2]; v >= 0 {
+			b.results.set("11c", c, v)
+		}
+		if v := sum.perScan[holdMessages][2]; v >= 0 {
+			b.results.set("11d", c, v)
+		}
+		if haveEndSizes {
+			var total int64
+			for _, v := range sizesAtEnd {
+				total += v
+			}
+			b.results.set("11e", c, mib(uint64(total)))
+		}
 	}
 	if sum.behind() {
 		b.results.note(fmt.Sprintf("%s, scenario 11: the publishers could not keep up with %d msg/s: %d of %d due published, at most %d behind",
@@ -525,7 +724,7 @@ func scenarioHold(ctx context.Context, b *bench, c contender) error {
 	return nil
 }
 
-func printHoldLine(prev, s holdSample, span *holdSpan, rate int) {
+func printHoldLine(c contender, prev, s holdSample, span *holdSpan, rate int) {
 	dt := (s.at - prev.at).Seconds()
 	opened, closed, _, to, _ := span.get()
 	phase := "before"
@@ -545,8 +744,12 @@ func printHoldLine(prev, s holdSample, span *holdSpan, rate int) {
 	}
 	lag, _ := s.lag()
 	var cols []string
-	for k := range holdTables {
-		cols = append(cols, fmt.Sprintf("%8s %9d", formatPerScan(entriesPerScan(prev, s, k)), s.stats[k].dead))
+	if c.onMySQL() {
+		cols = append(cols, fmt.Sprintf("%8s %9d", formatPerScan(rowsPerHandled(prev, s)), s.innodb.history))
+	} else {
+		for k := range holdTables {
+			cols = append(cols, fmt.Sprintf("%8s %9d", formatPerScan(entriesPerScan(prev, s, k)), s.stats[k].dead))
+		}
 	}
 	line := fmt.Sprintf("%4.0fs %-6s %8.0f %s %8d | %s", s.at.Seconds(), phase, float64(s.published-prev.published)/dt,
 		strings.Join(hs, " "), lag, strings.Join(cols, " | "))
@@ -571,7 +774,9 @@ type holdSummary struct {
 	maxLagGroup                int
 	perScan                    [holdTables][3]float64 // before the hold, its first and its last holdWindow seconds
 	deadAtEnd                  [holdTables]int64
-	afterRate                  float64 // lowest group's mean handled rate after the hold; -1 if none
+	rowsPerMsg                 [3]float64 // MySQL: InnoDB's rows read per message handled, over the windows of perScan
+	history                    [3]int64   // MySQL: the history list length at the hold's start, at its end and at the run's end
+	afterRate                  float64    // lowest group's mean handled rate after the hold; -1 if none
 	afterSeconds               int
 	finalLag                   int64
 	published, due, maxBehind  int64
@@ -585,7 +790,8 @@ func (s *holdSummary) behind() bool {
 
 func summarizeHold(samples []holdSample, p *pacer, rate int) *holdSummary {
 	s := &holdSummary{minSecond: -1, minWindow: -1, afterRate: -1, rate: rate,
-		published: p.published.Load(), due: p.due.Load(), maxBehind: p.maxBehind.Load()}
+		published: p.published.Load(), due: p.due.Load(), maxBehind: p.maxBehind.Load(),
+		rowsPerMsg: [3]float64{-1, -1, -1}}
 	for k := range holdTables {
 		s.perScan[k] = [3]float64{-1, -1, -1}
 	}
@@ -647,6 +853,12 @@ func summarizeHold(samples []holdSample, p *pacer, rate int) *holdSummary {
 		s.perScan[k][2] = entriesPerScan(a, b, k)
 		s.deadAtEnd[k] = samples[last].stats[k].dead
 	}
+	if first-1 > 0 {
+		s.rowsPerMsg[0] = rowsPerHandled(span(first-1-holdWindow, first-1))
+	}
+	s.rowsPerMsg[1] = rowsPerHandled(span(first-1, first-1+holdWindow))
+	s.rowsPerMsg[2] = rowsPerHandled(span(last-holdWindow, last))
+	s.history = [3]int64{samples[first-1].innodb.history, samples[last].innodb.history, samples[len(samples)-1].innodb.history}
 	a, b := samples[first-1], samples[last]
 	secs := (b.at - a.at).Seconds()
 	s.offeredDuring = float64(b.published-a.published) / secs
@@ -701,7 +913,13 @@ func (s *holdSummary) print(c contender, from, to time.Duration, atStart, atEnd,
 			pct(s.minWindow), holdWindow, s.minWindowGroup, s.minWindowAt.Seconds(), pct(s.minSecond), s.minSecondGroup, s.minSecondAt.Seconds(), s.minSecondRate)
 	}
 	fmt.Printf("- max lag: %d (group %d at %.0fs); at the end: %d\n", s.maxLag, s.maxLagGroup, s.maxLagAt.Seconds(), s.finalLag)
-	if s.holdSeconds > 0 {
+	switch {
+	case s.holdSeconds == 0:
+	case c.onMySQL():
+		fmt.Printf("- InnoDB's rows read per message handled, %d s before the hold / its first %d s / its last %d s: %s / %s / %s\n",
+			holdWindow, holdWindow, holdWindow, formatPerScan(s.rowsPerMsg[0]), formatPerScan(s.rowsPerMsg[1]), formatPerScan(s.rowsPerMsg[2]))
+		fmt.Printf("- InnoDB's history list length: %d at the hold's start, %d at its end, %d at the run's end\n", s.history[0], s.history[1], s.history[2])
+	default:
 		fmt.Printf("- index entries read per index scan, %d s before the hold / its first %d s / its last %d s; dead rows at its end:\n", holdWindow, holdWindow, holdWindow)
 		for k := range holdTables {
 			fmt.Printf("  - %-8s %8s / %8s / %8s; %d dead\n", holdTableNames[k], formatPerScan(s.perScan[k][0]),
@@ -710,6 +928,10 @@ func (s *holdSummary) print(c contender, from, to time.Duration, atStart, atEnd,
 	}
 	if s.afterRate >= 0 {
 		fmt.Printf("- after the hold: handled %.0f msg/s over %d s (the slowest group's mean)\n", s.afterRate, s.afterSeconds)
+	}
+	if c.onMySQL() {
+		fmt.Println()
+		return
 	}
 	fmt.Printf("- sizes (pg_total_relation_size: table, indexes, TOAST):\n")
 	if haveStart {

@@ -24,9 +24,10 @@
 // (go-sql-driver/mysql): the library's lease mode (sqlbroker.MySQL), and watermill-sql with
 // its default MySQL schema (a LONGBLOB payload) and offsets adapter. Run side by side, the
 // first gets its ratio to the second's figures, not to watermill-sql's on PostgreSQL. The
-// scenarios that read PostgreSQL's statistics (8, 9, 11, 12, and 10's claims rows) are n/a
-// for them, as is order by key (13), which the library has on PostgreSQL and SQLite only. The
-// server's CPU (row 1s) is measured on PostgreSQL only.
+// scenarios that read PostgreSQL's statistics (8, 9, 12, and 10's claims rows) are n/a for
+// them, as is order by key (13), which the library has on PostgreSQL and SQLite only; the
+// hold (11) reads InnoDB's counters instead. The server's CPU (row 1s) is measured on
+// PostgreSQL only.
 //
 // It is a module of its own, so that watermill-sql is a dependency of the benchmark only and
 // never of the library's users. From the repository's root:
@@ -53,7 +54,9 @@
 //     handler: messages and claims per second
 //  11. hold:     messages offered at a steady rate to consumer groups of two subscribers with
 //     Retention set, while a REPEATABLE READ transaction holds vacuum back: rates, lag and
-//     index entries read per scan, second by second, and a summary of the hold
+//     index entries read per scan, second by second, and a summary of the hold (on MySQL,
+//     a transaction WITH CONSISTENT SNAPSHOT holds InnoDB's purge back: rows read per
+//     message handled and the history list length instead)
 //  12. retention: -retention-n messages through one subscriber with Retention 1 s: the
 //     sizes of the messages and claims tables second by second, at the peak and at the end
 //     (on SQLite: the database file's, its WAL's and its pages in use)

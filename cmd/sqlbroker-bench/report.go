@@ -81,6 +81,8 @@ func rowDefs(c *config) []rowDef {
 		{"11c", 11, "  claims: index entries per scan, last 5 s of the hold", "entries", true},
 		{"11d", 11, "  messages: index entries per scan, last 5 s of the hold", "entries", true},
 		{"11e", 11, "  tables and indexes at the end of the hold", "MiB", true},
+		{"11f", 11, "  InnoDB: rows read per message handled, last 5 s of the hold", "rows", true},
+		{"11g", 11, "  InnoDB: history list length at the end of the hold", "trx", true},
 	}, orderedRows(c)...)
 }
 
