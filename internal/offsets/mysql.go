@@ -192,27 +192,37 @@ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME IN (?, ?, ?)`, t.MessagesName, t.
 type mysqlTopic struct {
 	t Tables
 
-	peekSQL      string // is anything new or due, without a transaction
-	positionSQL  string // the group's row, locked, and the time
-	dueSQL       [2]string
-	readNewSQL   string
-	readSQL      string // messages by offset: the prefix, then "?,?,...)"
-	advanceSQL   string
-	insertPrefix string
-	insDelPrefix string
-	ensureGrpSQL string
-	lookupGrpSQL string
-	lockRowsSQL  string // claim rows by token, locked: the prefix, then "?,?,...)"
-	ackRowSQL    string // deletes the row of a token that holds exactly the offsets given
-	pruneSQL     string
+	peekSQL       string // is anything new or due, without a transaction
+	positionSQL   string // the group's row, locked, and the time
+	dueSQL        [2]string
+	readNewSQL    string
+	readSQL       string // messages by offset: the prefix, then "?,?,...)"
+	advanceSQL    string
+	insertPrefix  string
+	insDelPrefix  string
+	ensureGrpSQL  string
+	lookupGrpSQL  string
+	lockRowsSQL   string // claim rows by token, locked: the prefix, then "?,?,...)"
+	ackRowSQL     string // deletes the row of a token that holds exactly the offsets given
+	pruneBoundSQL string
+	pruneYoungSQL string
+	pruneSQL      string
 }
 
 // prepare: asyncCommit does not apply (innodb_flush_log_at_trx_commit is the server's).
 func (mysql) prepare(t Tables, _ bool) database {
 	s := &mysqlTopic{t: t}
+	// The look at what is due reads, for DueGivenBack (most claims), the rows no one holds
+	// only: the range of negative tokens, whose entries come and go with nacks, releases and
+	// delayed messages. The held rows' range keeps a deleted row per claim statement settled
+	// while a long transaction holds purge back; only the periodic looks at lost leases read
+	// it (the third parameter: 0 none, 1 given back, 2 all).
 	s.peekSQL = fmt.Sprintf("SELECT\n"+
 		"\tEXISTS (SELECT 1 FROM %[2]s m WHERE m.`offset` > g.`last_offset`),\n"+
-		"\tCASE WHEN ? THEN EXISTS (SELECT 1 FROM %[3]s c WHERE c.`group_id` = g.`group_id` AND c.`visible_at` <= %[4]s) ELSE 0 END\n"+
+		"\tCASE ?\n"+
+		"\t\tWHEN 1 THEN EXISTS (SELECT 1 FROM %[3]s c WHERE c.`group_id` = g.`group_id` AND c.`token` < 0 AND c.`visible_at` <= %[4]s)\n"+
+		"\t\tWHEN 2 THEN EXISTS (SELECT 1 FROM %[3]s c WHERE c.`group_id` = g.`group_id` AND c.`visible_at` <= %[4]s)\n"+
+		"\t\tELSE 0 END\n"+
 		"FROM %[1]s g WHERE g.`group_id` = ?", t.Groups, t.Messages, t.Claims, mysqlNow)
 	s.positionSQL = fmt.Sprintf("SELECT `last_offset`, %s FROM %s WHERE `group_id` = ? FOR UPDATE", mysqlNow, t.Groups)
 	// The claims due again: [0] the rows no one holds (nacked, released, delayed), [1] every
@@ -234,13 +244,13 @@ func (mysql) prepare(t Tables, _ bool) database {
 	s.lookupGrpSQL = fmt.Sprintf("SELECT `group_id` FROM %s WHERE `consumer_group` = ?", t.Groups)
 	s.ackRowSQL = fmt.Sprintf("DELETE FROM %s WHERE `group_id` = ? AND `token` = ? AND `offsets` = ?", t.Claims)
 	s.lockRowsSQL = fmt.Sprintf("SELECT `token`, `attempts`, `offsets`, %s FROM %s WHERE `group_id` = ? AND `token` IN (", mysqlNow, t.Claims)
-	// Retention deletes the messages every group has passed (the head row aside), no claim
-	// row holds or comes after, and that were written long enough ago.
-	s.pruneSQL = fmt.Sprintf("DELETE FROM %[2]s\n"+
-		"WHERE `offset` <= (SELECT min(`last_offset`) FROM %[1]s WHERE `consumer_group` <> '')\n"+
-		"  AND `offset` < coalesce((SELECT min(`first_offset`) FROM %[3]s), 9223372036854775807)\n"+
-		"  AND `created_at` < %[4]s - ?\n"+
-		"ORDER BY `offset` LIMIT ?", t.Groups, t.Messages, t.Claims, mysqlNow)
+	// Retention (maintain): the highest offset it may delete, one every group has passed
+	// (the head row aside) and below every claims row; the first message after the last pass
+	// too young to go; the deletion of the range between.
+	s.pruneBoundSQL = fmt.Sprintf("SELECT LEAST((SELECT min(`last_offset`) FROM %[1]s WHERE `consumer_group` <> ''),\n"+
+		"\tcoalesce((SELECT min(`first_offset`) FROM %[2]s), 9223372036854775807) - 1), %[3]s", t.Groups, t.Claims, mysqlNow)
+	s.pruneYoungSQL = fmt.Sprintf("SELECT `offset` FROM %s WHERE `offset` > ? AND `offset` <= ? AND `created_at` >= ? ORDER BY `offset` LIMIT 1", t.Messages)
+	s.pruneSQL = fmt.Sprintf("DELETE FROM %s WHERE `offset` > ? AND `offset` <= ?", t.Messages)
 	return mysql{s}
 }
 
@@ -311,7 +321,14 @@ func unheldToken() int64 { return -1 - rand.Int64N(1<<62) }
 // DueNone), then new messages after the group's position, which it advances.
 func (s mysql) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due Due, out []Claimed) ([]Claimed, error) {
 	var waiting, dueAny int64
-	if err := dbx.QueryRow(ctx, q, s.peekSQL, []any{due != DueNone, groupID}, &waiting, &dueAny); err != nil {
+	look := 0
+	switch due {
+	case DueGivenBack:
+		look = 1
+	case DueRecent, DueAll:
+		look = 2
+	}
+	if err := dbx.QueryRow(ctx, q, s.peekSQL, []any{look, groupID}, &waiting, &dueAny); err != nil {
 		if errors.Is(err, dbx.ErrNoRows) {
 			return out, fmt.Errorf("offsets: consumer group %d has no row", groupID)
 		}
@@ -787,8 +804,43 @@ func (mysql) noPartition(error) bool { return false }
 
 // maintain deletes the settled messages older than opts.OlderThan, pruneBatch at a time, until
 // a statement deletes fewer.
-func (s mysql) maintain(ctx context.Context, _ *partState, c dbx.Querier, opts MaintainOptions) (MaintainResult, error) {
-	return pruneInBatches(ctx, c, s.pruneSQL, opts)
+//
+// A pass deletes from where the last one stopped (st.pruned): the rows it deleted stay in the
+// table, marked, until purge removes them, which a long transaction elsewhere holds back, and
+// a deletion that started from the table's first offset would step over all of them again.
+// What a pass deletes is a range of offsets: the writers of a topic take turns, so a message's
+// created_at grows with its offset, and the first message too young to go ends the range.
+func (s mysql) maintain(ctx context.Context, st *partState, c dbx.Querier, opts MaintainOptions) (MaintainResult, error) {
+	var res MaintainResult
+	if !opts.Drop {
+		return res, nil
+	}
+	var bound *int64
+	var now int64
+	if err := dbx.QueryRow(ctx, c, s.pruneBoundSQL, nil, &bound, &now); err != nil || bound == nil || *bound <= st.pruned {
+		return res, err // no group yet, or nothing passed since the last pass
+	}
+	hi := *bound
+	var young int64
+	err := dbx.QueryRow(ctx, c, s.pruneYoungSQL, []any{st.pruned, hi, now - msInt(opts.OlderThan)}, &young)
+	switch {
+	case err == nil:
+		hi = young - 1
+	case !errors.Is(err, dbx.ErrNoRows):
+		return res, err
+	}
+	// Windows of pruneBatch offsets (offsets leave gaps only where a publisher rolled back):
+	// each deletion starts above the last one's rows.
+	for st.pruned < hi {
+		to := min(hi, st.pruned+pruneBatch)
+		n, err := c.Exec(ctx, s.pruneSQL, st.pruned, to)
+		res.Messages += n
+		if err != nil {
+			return res, err
+		}
+		st.pruned = to
+	}
+	return res, nil
 }
 
 // messagesSQL: TakeMessages locks the rows it reads until its transaction ends.

@@ -270,6 +270,10 @@ type partState struct {
 	pend         bool
 	closedBelow  int64
 	last         map[int64]position
+
+	// pruned is, on MySQL, an offset at or below which every message was deleted by an
+	// earlier pass (see mysql.maintain).
+	pruned int64
 }
 
 // position is a place in the order of delivery: (xid, offset). none marks a partition with

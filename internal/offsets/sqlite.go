@@ -538,7 +538,17 @@ const pruneBatch = 10000
 // until a statement deletes fewer. SQLite keeps one table: its single writer holds no
 // snapshot that would keep deleted rows' versions alive.
 func (s sqlite) maintain(ctx context.Context, _ *partState, c dbx.Querier, opts MaintainOptions) (MaintainResult, error) {
-	return pruneInBatches(ctx, c, s.pruneSQL, opts)
+	var res MaintainResult
+	if !opts.Drop {
+		return res, nil
+	}
+	for {
+		n, err := c.Exec(ctx, s.pruneSQL, msInt(opts.OlderThan), pruneBatch)
+		res.Messages += n
+		if err != nil || n < pruneBatch {
+			return res, err
+		}
+	}
 }
 
 // heldBack: offsets commit in order on SQLite, so nothing is held back.

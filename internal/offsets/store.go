@@ -333,23 +333,6 @@ func repeatTuples(prefix, tuple string, n int) string {
 	return b.String()
 }
 
-// pruneInBatches runs the retention statement sql (its arguments: the age in milliseconds,
-// then the batch) on c until a run deletes fewer than pruneBatch messages, for the databases
-// that delete settled messages row by row.
-func pruneInBatches(ctx context.Context, c dbx.Querier, sql string, opts MaintainOptions) (MaintainResult, error) {
-	var res MaintainResult
-	if !opts.Drop {
-		return res, nil
-	}
-	for {
-		n, err := c.Exec(ctx, sql, msInt(opts.OlderThan), pruneBatch)
-		res.Messages += n
-		if err != nil || n < pruneBatch {
-			return res, err
-		}
-	}
-}
-
 // quoteLiteral quotes s as an SQL string literal (s holds no backslash: it is a channel or a
 // table name built from validated parts).
 func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
