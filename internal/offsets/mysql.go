@@ -360,21 +360,20 @@ func (s mysql) claimIn(ctx context.Context, tx dbx.Querier, groupID int32, token
 	}
 	deadline := now + msInt(ttl)
 	held := map[int][]int64{} // the offsets claimed, by attempt count
-	var unheld []claimRow     // rows of delayed messages passed
-	var rest []claimRow       // due rows taken in part, with what is left
-	var gone []claimRow       // due rows taken whole
+	var ins []claimInsert     // the rows to write: the held ones, and one per delayed message passed
+	var taken []claimRow      // due rows taken from, with what is left of them
 	if due != DueNone && dueAny {
 		var err error
-		if out, gone, rest, err = s.takeDue(ctx, tx, groupID, now, due, limit, held, out); err != nil {
+		if out, taken, err = s.takeDue(ctx, tx, groupID, now, due, limit, held, out); err != nil {
 			return out, err
 		}
 	}
-	taken := 0
+	room := limit
 	for _, offs := range held {
-		taken += len(offs)
+		room -= len(offs)
 	}
 	last := pos
-	if room := limit - taken; room > 0 {
+	if room > 0 {
 		rows, err := tx.Query(ctx, s.readNewSQL, now, pos, room+pass)
 		if err != nil {
 			return out, err
@@ -388,8 +387,9 @@ func (s mysql) claimIn(ctx context.Context, tx dbx.Querier, groupID int32, token
 			}
 			last = c.Offset
 			if later != 0 {
+				// Its row comes due at its time, with no holder, at attempt 0.
 				out = append(out, Claimed{Offset: c.Offset, Delayed: time.UnixMilli(later)})
-				unheld = append(unheld, claimRow{token: later, offsets: []int64{c.Offset}})
+				ins = append(ins, claimInsert{token: unheldToken(), visibleAt: later, offsets: []int64{c.Offset}})
 				continue
 			}
 			n++
@@ -401,24 +401,14 @@ func (s mysql) claimIn(ctx context.Context, tx dbx.Querier, groupID int32, token
 			return out, err
 		}
 	}
-	for _, r := range gone {
-		if _, err := tx.Exec(ctx, "DELETE FROM "+s.t.Claims+" WHERE `group_id` = ? AND `token` = ? AND `attempts` = ?", groupID, r.token, r.attempts); err != nil {
-			return out, err
-		}
-	}
-	for _, r := range rest {
+	for _, r := range taken {
 		if err := s.rewrite(ctx, tx, groupID, r, nil); err != nil {
 			return out, err
 		}
 	}
-	var ins []claimInsert
 	for att, offs := range held {
 		slices.Sort(offs)
 		ins = append(ins, claimInsert{token: token, attempts: att, visibleAt: deadline, offsets: offs})
-	}
-	for _, r := range unheld {
-		// r.token carries the message's time: its row comes due then, at attempt 0.
-		ins = append(ins, claimInsert{token: unheldToken(), visibleAt: r.token, offsets: r.offsets})
 	}
 	if err := s.insertClaims(ctx, tx, groupID, ins); err != nil {
 		return out, err
@@ -432,18 +422,18 @@ func (s mysql) claimIn(ctx context.Context, tx dbx.Querier, groupID int32, token
 }
 
 // takeDue takes up to limit offsets of the group's rows due again (due says which), adding
-// them to held under their next attempt count and their messages to out, in offset order.
-// It returns the rows it took whole and those it took in part, with what is left of them.
-func (s mysql) takeDue(ctx context.Context, tx dbx.Querier, groupID int32, now int64, due Due, limit int, held map[int][]int64, out []Claimed) ([]Claimed, []claimRow, []claimRow, error) {
+// them to held under their next attempt count and their messages to out, in offset order. It
+// returns the rows it took from, each with what is left of it (nothing: the row goes).
+func (s mysql) takeDue(ctx context.Context, tx dbx.Querier, groupID int32, now int64, due Due, limit int, held map[int][]int64, out []Claimed) ([]Claimed, []claimRow, error) {
 	sql := s.dueSQL[0]
 	if due != DueGivenBack {
 		sql = s.dueSQL[1]
 	}
 	rows, err := tx.Query(ctx, sql, groupID, now, limit)
 	if err != nil {
-		return out, nil, nil, err
+		return out, nil, err
 	}
-	var gone, rest []claimRow
+	var taken []claimRow
 	attempts := map[int64]int{}
 	var offs []int64
 	for rows.Next() {
@@ -451,7 +441,7 @@ func (s mysql) takeDue(ctx context.Context, tx dbx.Querier, groupID int32, now i
 		var packed []byte
 		if err := rows.Scan(&r.token, &r.attempts, &packed); err != nil {
 			rows.Close()
-			return out, nil, nil, err
+			return out, nil, err
 		}
 		all := unpackOffsets(packed)
 		n := min(len(all), limit-len(offs))
@@ -463,19 +453,15 @@ func (s mysql) takeDue(ctx context.Context, tx dbx.Querier, groupID int32, now i
 			held[r.attempts+1] = append(held[r.attempts+1], o)
 		}
 		offs = append(offs, all[:n]...)
-		if n == len(all) {
-			gone = append(gone, r)
-		} else {
-			r.offsets = all[n:]
-			rest = append(rest, r)
-		}
+		r.offsets = all[n:]
+		taken = append(taken, r)
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return out, nil, nil, err
+		return out, nil, err
 	}
 	out, err = s.readClaimed(ctx, tx, offs, attempts, out)
-	return out, gone, rest, err
+	return out, taken, err
 }
 
 // readClaimed appends the messages of offs to out in offset order, with their attempt counts.
