@@ -877,21 +877,9 @@ func (s mysql) deleteMessages(ctx context.Context, t Tables, tx dbx.Querier, off
 			return 0, err
 		}
 	}
-	var total int64
-	for len(offs) > 0 {
-		n := min(len(offs), mysqlSettleChunk)
-		args := make([]any, n)
-		for i, o := range offs[:n] {
-			args[i] = o
-		}
-		d, err := tx.Exec(ctx, fmt.Sprintf("DELETE FROM %s WHERE `offset` IN (%s)", t.Messages, placeholders(n)), args...)
-		total += d
-		if err != nil {
-			return total, err
-		}
-		offs = offs[n:]
-	}
-	return total, nil
+	return inChunks(offs, mysqlSettleChunk, func(in string, args []any) (int64, error) {
+		return tx.Exec(ctx, fmt.Sprintf("DELETE FROM %s WHERE `offset` IN (%s)", t.Messages, in), args...)
+	})
 }
 
 func (mysql) keySchemaSQL(k KeyTable) string {

@@ -876,25 +876,12 @@ func (sqlite) messagesSQL(t Tables, take bool) string {
 
 // deleteMessages deletes in statements of up to sqliteSettleChunk offsets.
 func (sqlite) deleteMessages(ctx context.Context, t Tables, tx dbx.Querier, offs []int64) (int64, error) {
-	var total int64
-	for len(offs) > 0 {
-		n := min(len(offs), sqliteSettleChunk)
-		args := make([]any, n)
-		for i, o := range offs[:n] {
-			args[i] = o
-		}
-		in := placeholders(n)
+	return inChunks(offs, sqliteSettleChunk, func(in string, args []any) (int64, error) {
 		if _, err := tx.Exec(ctx, fmt.Sprintf(`DELETE FROM %s WHERE "offset" IN (%s)`, t.Claims, in), args...); err != nil {
-			return total, err
+			return 0, err
 		}
-		d, err := tx.Exec(ctx, fmt.Sprintf(`DELETE FROM %s WHERE "offset" IN (%s)`, t.Messages, in), args...)
-		total += d
-		if err != nil {
-			return total, err
-		}
-		offs = offs[n:]
-	}
-	return total, nil
+		return tx.Exec(ctx, fmt.Sprintf(`DELETE FROM %s WHERE "offset" IN (%s)`, t.Messages, in), args...)
+	})
 }
 
 func (sqlite) keySchemaSQL(k KeyTable) string {

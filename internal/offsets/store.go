@@ -333,6 +333,26 @@ func repeatTuples(prefix, tuple string, n int) string {
 	return b.String()
 }
 
+// inChunks runs fn on offs in chunks of up to size, each given as a list of ? placeholders and
+// its arguments, and returns the sum of what the runs counted.
+func inChunks(offs []int64, size int, fn func(in string, args []any) (int64, error)) (int64, error) {
+	var total int64
+	for len(offs) > 0 {
+		n := min(len(offs), size)
+		args := make([]any, n)
+		for i, o := range offs[:n] {
+			args[i] = o
+		}
+		d, err := fn(placeholders(n), args)
+		total += d
+		if err != nil {
+			return total, err
+		}
+		offs = offs[n:]
+	}
+	return total, nil
+}
+
 // quoteLiteral quotes s as an SQL string literal (s holds no backslash: it is a channel or a
 // table name built from validated parts).
 func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
