@@ -24,10 +24,10 @@
 // (go-sql-driver/mysql): the library's lease mode (sqlbroker.MySQL), and watermill-sql with
 // its default MySQL schema (a LONGBLOB payload) and offsets adapter. Run side by side, the
 // first gets its ratio to the second's figures, not to watermill-sql's on PostgreSQL. The
-// scenarios that read PostgreSQL's statistics (8, 9, 12, and 10's claims rows) are n/a for
-// them, as is order by key (13), which the library has on PostgreSQL and SQLite only; the
-// hold (11) reads InnoDB's counters instead. The server's CPU (row 1s) is measured on
-// PostgreSQL only.
+// scenarios that read PostgreSQL's statistics (8, 9, and 10's claims rows) are n/a for them,
+// as is order by key (13), which the library has on PostgreSQL and SQLite only; the hold (11)
+// reads InnoDB's counters instead, and retention (12) the sizes of the tables' files. The
+// server's CPU (row 1s) is measured on PostgreSQL only.
 //
 // It is a module of its own, so that watermill-sql is a dependency of the benchmark only and
 // never of the library's users. From the repository's root:
@@ -59,7 +59,8 @@
 //     message handled and the history list length instead)
 //  12. retention: -retention-n messages through one subscriber with Retention 1 s: the
 //     sizes of the messages and claims tables second by second, at the peak and at the end
-//     (on SQLite: the database file's, its WAL's and its pages in use)
+//     (on SQLite: the database file's, its WAL's and its pages in use; on MySQL: the tables'
+//     .ibd files' and the messages table's rows)
 //  13. ordered:  order by key: a backlog whose keys go round 64 (-ordered-keys) or 10,000
 //     (-ordered-keys-many) keys, drained by one lease-mode subscriber with OrderByKey and
 //     without it, with a no-op handler and with the 5 ms handler at 256 in flight; the

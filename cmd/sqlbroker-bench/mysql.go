@@ -19,7 +19,8 @@ import (
 // scenario as on PostgreSQL. Both run on the same server, so the mysql contender's figures
 // get their ratio to watermill-sql-mysql's. The server's CPU is not measured (it is found
 // through PostgreSQL's pg_stat_activity), and the scenarios that read PostgreSQL's
-// statistics are n/a, but for the hold (11), which reads InnoDB's counters instead.
+// statistics are n/a, but for the hold (11), which reads InnoDB's counters instead, and
+// retention (12), which reads the sizes of the tables' files (see mysqlFiles).
 
 // openMySQLEnv opens a pool on cfg.mysqlDSN and connects all of it before anything is timed.
 func openMySQLEnv(ctx context.Context, cfg *config, c contender) (*env, error) {

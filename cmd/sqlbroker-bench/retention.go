@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -27,12 +30,13 @@ import (
 // On SQLite (one table, retention deletes row by row) it prints the database file's size and
 // its WAL's, the pages in use (the file's, less its free list: deleted rows free pages that
 // SQLite reuses, without VACUUM) and the messages table's rows.
+//
+// On MySQL (retention deletes windows of offsets) it prints the sizes of the messages and
+// claims tables' files (see mysqlFiles: information_schema's sizes of InnoDB tables are
+// estimates, refreshed only with their statistics) and the messages table's rows.
 func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 	if c.isWatermillSQL() {
 		return fmt.Errorf("%w: watermill-sql has no retention", errNA)
-	}
-	if c.onMySQL() {
-		return fmt.Errorf("%w: the scenario reads the sizes of PostgreSQL's tables or of SQLite's file", errNA)
 	}
 	cfg := b.cfg
 	e, topic, err := b.prepare(ctx, c, "retention", 0)
@@ -41,7 +45,13 @@ func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 	}
 	defer e.close()
 	defer b.dropTopic(c, topic)
-	tables := libTables(topic)
+	tables := e.tables(topic)
+	var files *mysqlFiles
+	if c.onMySQL() {
+		if files, err = openMySQLFiles(ctx, e.std, tables.MessagesName, tables.ClaimsName); err != nil {
+			return err
+		}
+	}
 	pub, err := e.publisher()
 	if err != nil {
 		return err
@@ -89,10 +99,16 @@ func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 
 	fmt.Printf("## Scenario 12, retention: %s, %d messages of %d B offered at %d msg/s to one subscriber with Retention %s\n\n",
 		c, cfg.retentionN, cfg.payloadSize, cfg.retentionRate, cfg.retention)
-	if c.onSQLite() {
+	switch {
+	case c.onSQLite():
 		fmt.Printf("Sizes: the database file and its WAL on disk; in use, the file's pages less those on its free list (pages that deleted rows freed, which SQLite reuses for new rows); tables: the messages table's rows. No VACUUM.\n\n")
 		fmt.Printf("%5s %10s %10s %8s | %12s %12s %12s | %10s\n", "t", "published", "handled", "lag", "file", "WAL", "in use", "rows")
-	} else {
+	case c.onMySQL():
+		fmt.Printf("Sizes: each table's file of its own (innodb_file_per_table), the messages table's %s; %s. InnoDB never shrinks a file by itself: "+
+			"the pages of the rows that retention deletes are reused for new rows once purge has removed them (no OPTIMIZE TABLE). "+
+			"rows: the messages table's, count(*).\n\n", files.paths[0], files.source)
+		fmt.Printf("%5s %10s %10s %8s | %12s %12s | %10s\n", "t", "published", "handled", "lag", "messages", "claims", "rows")
+	default:
 		var autovacuum string
 		if err := b.admin.QueryRow(ctx, `SELECT current_setting('autovacuum')`).Scan(&autovacuum); err != nil {
 			return err
@@ -115,7 +131,7 @@ func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 		}
 	}
 	defer stopPacer()
-	var peakMsgs, peakClaims, lastMsgs, lastClaims, peakRows int64
+	var peakMsgs, peakClaims, lastMsgs, lastClaims, peakRows, lastRows int64
 	var doneAt, vacuumed time.Time
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
@@ -145,6 +161,29 @@ func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 			peakRows = max(peakRows, st.rows)
 			fmt.Printf("%5.0f %10d %10d %8d | %8.1f MiB %8.1f MiB %8.1f MiB | %10d\n", time.Since(start).Seconds(), published, h, published-h,
 				mib(uint64(st.file)), mib(uint64(st.wal)), mib(uint64(st.inUse)), st.rows)
+			if stopped && h >= published {
+				if doneAt.IsZero() {
+					doneAt = time.Now()
+				}
+				if time.Since(doneAt) >= cfg.retentionSettle {
+					break
+				}
+			}
+			continue
+		}
+		if c.onMySQL() {
+			sizes, err := files.sizes(ctx)
+			if err != nil {
+				return fmt.Errorf("read the sizes: %w", err)
+			}
+			var rows int64
+			if err := e.std.QueryRowContext(ctx, "SELECT count(*) FROM "+tables.Messages).Scan(&rows); err != nil {
+				return fmt.Errorf("count the messages table's rows: %w", err)
+			}
+			peakMsgs, peakClaims, lastMsgs, lastClaims = max(peakMsgs, sizes[0]), max(peakClaims, sizes[1]), sizes[0], sizes[1]
+			peakRows, lastRows = max(peakRows, rows), rows
+			fmt.Printf("%5.0f %10d %10d %8d | %8.1f MiB %8.2f MiB | %10d\n", time.Since(start).Seconds(), published, h, published-h,
+				mib(uint64(sizes[0])), mib(uint64(sizes[1])), rows)
 			if stopped && h >= published {
 				if doneAt.IsZero() {
 					doneAt = time.Now()
@@ -187,6 +226,12 @@ func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 			mib(uint64(peakClaims)), mib(uint64(lastClaims)), peakRows)
 		return nil
 	}
+	if c.onMySQL() {
+		fmt.Printf("\n- %d messages (%.1f MiB of payload) through in %s; messages table's file at most %.1f MiB, %.1f MiB at the end; claims table's file at most %.2f MiB, %.2f MiB at the end; messages table at most %d rows, %d at the end\n\n",
+			n, payload/(1<<20), doneAt.Sub(start).Round(time.Second), mib(uint64(peakMsgs)), mib(uint64(lastMsgs)),
+			mib(uint64(peakClaims)), mib(uint64(lastClaims)), peakRows, lastRows)
+		return nil
+	}
 	fmt.Printf("\n- %d messages (%.1f MiB of payload) through in %s; messages table at most %.1f MiB, %.1f MiB at the end; claims table at most %.2f MiB, %.2f MiB at the end\n\n",
 		n, payload/(1<<20), doneAt.Sub(start).Round(time.Second), mib(uint64(peakMsgs)), mib(uint64(lastMsgs)),
 		mib(uint64(peakClaims)), mib(uint64(lastClaims)))
@@ -215,4 +260,131 @@ func (e *env) sqliteSizes(ctx context.Context, topic string) (sqliteSizes, error
 		return st, err
 	}
 	return st, nil
+}
+
+// mysqlFiles reads the sizes of InnoDB tables' files. information_schema.TABLES's sizes of an
+// InnoDB table are estimates, refreshed only when InnoDB recomputes the table's statistics;
+// with innodb_file_per_table, each table is a file of its own, <datadir>/<database>/<table>.ibd,
+// whose size is the table's. It is read from the server's list of its tablespaces
+// (INNODB_SYS_TABLESPACES on MariaDB and MySQL 5.7, INNODB_TABLESPACES on MySQL 8), whose
+// FILE_SIZE is the file's, or, on a server whose list lacks that column, from the file
+// itself: the bench must then run on the server's machine.
+type mysqlFiles struct {
+	db     *sql.DB
+	names  []string // the tablespaces' names, database/table as in the files' names
+	paths  []string // the files
+	query  string   // reads the tablespaces' FILE_SIZE by NAME; "" to stat the files
+	source string   // where the sizes come from, for the heading
+}
+
+// openMySQLFiles finds the files of tables, in db's database, and checks that each is there.
+func openMySQLFiles(ctx context.Context, db *sql.DB, tables ...string) (*mysqlFiles, error) {
+	var datadir, perTable, database string
+	var lower int
+	if err := db.QueryRowContext(ctx, "SELECT @@datadir, @@innodb_file_per_table, @@lower_case_table_names, coalesce(DATABASE(), '')").
+		Scan(&datadir, &perTable, &lower, &database); err != nil {
+		return nil, fmt.Errorf("read the server's datadir: %w", err)
+	}
+	if perTable != "1" && !strings.EqualFold(perTable, "ON") {
+		return nil, fmt.Errorf("%w: innodb_file_per_table is OFF: the tables are in the system tablespace, whose file says nothing of their sizes", errNA)
+	}
+	if database == "" {
+		return nil, errors.New("-mysql-dsn names no database")
+	}
+	dir, err := mysqlFileName(database, lower)
+	if err != nil {
+		return nil, err
+	}
+	f := &mysqlFiles{db: db}
+	for _, t := range tables {
+		file, err := mysqlFileName(t, lower)
+		if err != nil {
+			return nil, err
+		}
+		f.names = append(f.names, dir+"/"+file)
+		f.paths = append(f.paths, filepath.Join(datadir, dir, file+".ibd"))
+	}
+	var view string
+	err = db.QueryRowContext(ctx, "SELECT TABLE_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = 'information_schema'\n"+
+		"\tAND TABLE_NAME IN ('INNODB_TABLESPACES', 'INNODB_SYS_TABLESPACES') AND COLUMN_NAME = 'FILE_SIZE' LIMIT 1").Scan(&view)
+	switch {
+	case err == nil:
+		f.query = fmt.Sprintf("SELECT NAME, FILE_SIZE FROM information_schema.%s WHERE NAME IN (?%s)", view, strings.Repeat(", ?", len(tables)-1))
+		f.source = "their sizes as FILE_SIZE of information_schema." + view + " says"
+	case errors.Is(err, sql.ErrNoRows):
+		f.source = "their sizes read from the files on this machine (the server's information_schema has no FILE_SIZE of its tablespaces)"
+	default:
+		return nil, fmt.Errorf("look for the tablespaces' FILE_SIZE in information_schema: %w", err)
+	}
+	if _, err := f.sizes(ctx); err != nil {
+		return nil, err
+	}
+	return f, nil
+}
+
+// sizes are the files' sizes, in the order of the tables.
+func (f *mysqlFiles) sizes(ctx context.Context) ([]int64, error) {
+	out := make([]int64, len(f.names))
+	if f.query == "" {
+		for i, p := range f.paths {
+			fi, err := os.Stat(p)
+			if err != nil {
+				return nil, fmt.Errorf("the table's file (the bench reads it on this machine, the server's): %w", err)
+			}
+			out[i] = fi.Size()
+		}
+		return out, nil
+	}
+	args := make([]any, len(f.names))
+	for i, n := range f.names {
+		args[i] = n
+	}
+	rows, err := f.db.QueryContext(ctx, f.query, args...)
+	if err != nil {
+		return nil, fmt.Errorf("read the tablespaces' FILE_SIZE: %w", err)
+	}
+	defer rows.Close()
+	found := map[string]int64{}
+	for rows.Next() {
+		var name string
+		var size int64
+		if err := rows.Scan(&name, &size); err != nil {
+			return nil, fmt.Errorf("read the tablespaces' FILE_SIZE: %w", err)
+		}
+		found[name] = size
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read the tablespaces' FILE_SIZE: %w", err)
+	}
+	for i, n := range f.names {
+		size, ok := found[n]
+		if !ok {
+			return nil, fmt.Errorf("no tablespace %s (the file %s): the table has no file of its own", n, f.paths[i])
+		}
+		out[i] = size
+	}
+	return out, nil
+}
+
+// mysqlFileName is name as MySQL spells it in a file's name (and in its tablespaces' names):
+// ASCII letters, digits and _ stand for themselves, any other character is @ and its code
+// point in four hex digits ("-" is @002d, "#" @0023). Letters beyond ASCII have codes of
+// their own, which are not worked out here: the library's names and the bench's database are
+// ASCII. With lower_case_table_names set (1 or 2), InnoDB's names are in lower case.
+func mysqlFileName(name string, lowerCaseTableNames int) (string, error) {
+	if lowerCaseTableNames != 0 {
+		name = strings.ToLower(name)
+	}
+	var b strings.Builder
+	for _, r := range name {
+		switch {
+		case r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_':
+			b.WriteRune(r)
+		case r < 0x80:
+			fmt.Fprintf(&b, "@%04x", r)
+		default:
+			return "", fmt.Errorf("the file name of %q: MySQL's spelling of characters beyond ASCII is not worked out here", name)
+		}
+	}
+	return b.String(), nil
 }
