@@ -1,9 +1,10 @@
 // Command basic publishes a few messages and consumes them through a Watermill Router, then
 // shuts down and prints what the shutdown did. By default it runs on an in-memory SQLite
-// database, with no server; -url takes a PostgreSQL URL instead:
+// database, with no server; -url takes a PostgreSQL or a MySQL URL instead:
 //
 //	go run ./_examples/basic
 //	go run ./_examples/basic -url postgres://postgres@127.0.0.1:5432/test?sslmode=disable
+//	go run ./_examples/basic -url mysql://root@127.0.0.1:3306/test
 package main
 
 import (
@@ -18,6 +19,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	_ "github.com/go-sql-driver/mysql" // the MySQL driver behind mysql:// URLs
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "modernc.org/sqlite" // the SQLite driver behind sqlite: URLs
 
@@ -25,7 +27,7 @@ import (
 )
 
 func main() {
-	url := flag.String("url", "sqlite::memory:", "database URL: sqlite:file.db?mode=rwc, sqlite::memory: or postgres://user@host/db")
+	url := flag.String("url", "sqlite::memory:", "database URL: sqlite:file.db?mode=rwc, sqlite::memory:, postgres://user@host/db or mysql://user@host:3306/db")
 	count := flag.Int("n", 5, "messages to publish")
 	flag.Parse()
 	if err := run(*url, *count); err != nil {
@@ -112,9 +114,22 @@ func run(url string, count int) error {
 	return dropTopic(ctx, url, topic)
 }
 
-// dropTopic removes the example's tables: on PostgreSQL, whichever driver the URL names, and
-// in a SQLite file.
+// dropTopic removes the example's tables: on PostgreSQL, whichever driver the URL names, in a
+// SQLite file, and on MySQL.
 func dropTopic(ctx context.Context, url, topic string) error {
+	if strings.HasPrefix(url, "mysql://") {
+		ddl, err := sqlbroker.MySQLDropSQL(topic, "")
+		if err != nil {
+			return err
+		}
+		b, err := sqlbroker.Open(url, sqlbroker.BrokerConfig{}, nil)
+		if err != nil {
+			return err
+		}
+		defer b.Close()
+		_, err = b.SQLDB().ExecContext(ctx, ddl)
+		return err
+	}
 	ddl, err := sqlbroker.DropSQL(topic, "", "")
 	if err != nil {
 		return err
