@@ -37,6 +37,7 @@ func rowDefs(c *config) []rowDef {
 		{"1", 1, fmt.Sprintf("drain %s, no-op handler", n(c.drainN)), "msg/s", false},
 		{"1c", 1, "  client CPU per message", "µs", true},
 		{"1s", 1, "  server CPU per message", "µs", true},
+		{"1a", 1, "  drain of this claim mode / the lease mode's (row 1)", "x", false},
 		{"2a", 2, fmt.Sprintf("%s handler, 16 in flight", h), "msg/s", false},
 		{"2b", 2, fmt.Sprintf("%s handler, 256 in flight", h), "msg/s", false},
 		{"3a", 3, fmt.Sprintf("%s handler, 1 subscriber (MaxInFlight %d)", h, c.instInFlight), "msg/s", false},
@@ -287,10 +288,21 @@ func (r *results) value(id string, c contender) (stats, bool) {
 	return statsOf(vs)
 }
 
-// derive fills the rows computed from others of the same run, round by round: 7e, how much
-// of the raw limit of its own claim and settle statements (7c) a contender's end-to-end drain
-// (1) reaches. Round n of one scenario is paired with round n of the other.
+// derive fills the rows computed from others of the same run, round by round: 1a, the
+// advisory mode's drain over the lease mode's; 7e, how much of the raw limit of its own claim
+// and settle statements (7c) a contender's end-to-end drain (1) reaches. Round n of one
+// scenario is paired with round n of the other.
 func (r *results) derive(cs []contender) {
+	if slices.Contains(cs, lease) && slices.Contains(cs, advisory) {
+		base := r.rounds("1", lease)
+		for k, av := range r.rounds("1", advisory) {
+			if lv, ok := base[k]; ok && lv > 0 {
+				r.mu.Lock()
+				r.cellOf("1a", advisory).byRound[k] = av / lv
+				r.mu.Unlock()
+			}
+		}
+	}
 	for _, c := range cs {
 		if !c.isLibrary() {
 			continue
