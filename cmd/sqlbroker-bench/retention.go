@@ -133,6 +133,17 @@ func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 	defer stopPacer()
 	var peakMsgs, peakClaims, lastMsgs, lastClaims, peakRows, lastRows int64
 	var doneAt, vacuumed time.Time
+	// settled says that the pacer stopped, every message published was handled, and the
+	// tables have had cfg.retentionSettle since to shrink: the run ends.
+	settled := func(published, h int64) bool {
+		if !stopped || h < published {
+			return false
+		}
+		if doneAt.IsZero() {
+			doneAt = time.Now()
+		}
+		return time.Since(doneAt) >= cfg.retentionSettle
+	}
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	for {
@@ -161,13 +172,8 @@ func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 			peakRows = max(peakRows, st.rows)
 			fmt.Printf("%5.0f %10d %10d %8d | %8.1f MiB %8.1f MiB %8.1f MiB | %10d\n", time.Since(start).Seconds(), published, h, published-h,
 				mib(uint64(st.file)), mib(uint64(st.wal)), mib(uint64(st.inUse)), st.rows)
-			if stopped && h >= published {
-				if doneAt.IsZero() {
-					doneAt = time.Now()
-				}
-				if time.Since(doneAt) >= cfg.retentionSettle {
-					break
-				}
+			if settled(published, h) {
+				break
 			}
 			continue
 		}
@@ -184,13 +190,8 @@ func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 			peakRows, lastRows = max(peakRows, rows), rows
 			fmt.Printf("%5.0f %10d %10d %8d | %8.1f MiB %8.2f MiB | %10d\n", time.Since(start).Seconds(), published, h, published-h,
 				mib(uint64(sizes[0])), mib(uint64(sizes[1])), rows)
-			if stopped && h >= published {
-				if doneAt.IsZero() {
-					doneAt = time.Now()
-				}
-				if time.Since(doneAt) >= cfg.retentionSettle {
-					break
-				}
+			if settled(published, h) {
+				break
 			}
 			continue
 		}
@@ -209,13 +210,8 @@ func scenarioRetention(ctx context.Context, b *bench, c contender) error {
 		peakMsgs, peakClaims, lastMsgs, lastClaims = max(peakMsgs, msgs), max(peakClaims, claims), msgs, claims
 		fmt.Printf("%5.0f %10d %10d %8d | %8.1f MiB %10d | %8.2f MiB\n", time.Since(start).Seconds(), published, h, published-h,
 			mib(uint64(msgs)), parts, mib(uint64(claims)))
-		if stopped && h >= published {
-			if doneAt.IsZero() {
-				doneAt = time.Now()
-			}
-			if time.Since(doneAt) >= cfg.retentionSettle {
-				break
-			}
+		if settled(published, h) {
+			break
 		}
 	}
 	n := p.published.Load()
