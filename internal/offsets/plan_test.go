@@ -1009,6 +1009,80 @@ func TestRecentLookTakesRecentLeasesOnly(t *testing.T) {
 	}
 }
 
+// TestRecentLookRunsTheFrequentLooksPlan checks that the look at the leases that ran out
+// recently (offsets.DueRecent), which a subscription makes about once per IdlePollInterval,
+// runs the prepared statement and the generic plan of the look at the claims given back,
+// which its claims make all the time: as a statement of its own, spread over a pool's
+// connections, nearly every run of it was one of a connection's first five, planned anew for
+// its parameters, which made it take several times as long as the claims around it. It also
+// checks that the shared plan takes what each look should: the given-back look leaves a lease
+// that ran out to the recent look, which takes it.
+func TestRecentLookRunsTheFrequentLooksPlan(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tables, _, db := createTables(t, ctx)
+	store := offsets.NewStore(tables, true)
+	insertRows(t, ctx, store, db, []offsets.Row{{UUID: "m", Payload: []byte("m"), Metadata: "{}"}})
+	gid, err := store.EnsureGroup(ctx, db, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A lease that ran out a second ago.
+	if cs, err := store.Claim(ctx, db, gid, 1, -time.Second, 10, offsets.DueNone, nil); err != nil || len(cs) != 1 {
+		t.Fatalf("first claim: %d claimed, %v", len(cs), err)
+	}
+
+	// One session, so that pg_prepared_statements shows the plans of its statements.
+	conn, err := pgx.Connect(ctx, testdb.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	q := dbx.PgxConn(conn)
+	looks := func() (generic, custom int64, statements int) {
+		t.Helper()
+		rows, err := conn.Query(ctx, `SELECT generic_plans, custom_plans FROM pg_prepared_statements
+			WHERE strpos(statement, $1) > 0 AND strpos(statement, 'd0l AS') > 0`, strings.Trim(tables.Claims, `"`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var g, c int64
+			if err := rows.Scan(&g, &c); err != nil {
+				t.Fatal(err)
+			}
+			generic, custom, statements = generic+g, custom+c, statements+1
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		return generic, custom, statements
+	}
+	// Enough looks at the claims given back for the server to settle on its generic plan.
+	for i := range 8 {
+		cs, err := store.Claim(ctx, q, gid, int64(10+i), time.Minute, 10, offsets.DueGivenBack, nil)
+		if err != nil || len(cs) != 0 {
+			t.Fatalf("look %d at the claims given back: took %d, %v; want none (the lease that ran out is held)", i, len(cs), err)
+		}
+	}
+	generic, _, _ := looks()
+	if generic == 0 {
+		t.Fatal("after 8 runs, the server has no generic plan of the look at the claims given back")
+	}
+	cs, err := store.Claim(ctx, q, gid, 20, time.Minute, 10, offsets.DueRecent, nil)
+	if err != nil || len(cs) != 1 || cs[0].UUID != "m" || cs[0].Attempts != 2 {
+		t.Fatalf("the look at recent leases took %v, %v; want m on its second attempt", cs, err)
+	}
+	after, custom, statements := looks()
+	if statements != 1 {
+		t.Errorf("the looks ran as %d prepared statements, want one", statements)
+	}
+	if after != generic+1 {
+		t.Errorf("the look at recent leases did not run the generic plan (generic plans %d, then %d; custom %d)", generic, after, custom)
+	}
+}
+
 // TestAckHandingOverReadsTheFirstParkedOfEachKey checks that an ordered ack finds the next
 // message of each key it settles through the parked rows' index, one entry per key, and not
 // by reading the group's parked rows: with 8 keys and about 100 parked messages each, no node

@@ -220,7 +220,11 @@ func (s postgres) ensureGroup(ctx context.Context, q dbx.Querier, group string, 
 }
 
 func (s postgres) claim(ctx context.Context, q dbx.Querier, groupID int32, token int64, ttl time.Duration, limit, pass int, due Due, out []Claimed) ([]Claimed, error) {
-	rows, err := dbx.QueryWrite(ctx, q, s.claimSQL[due], groupID, token, ms(ttl), limit, pass)
+	args := []any{groupID, token, ms(ttl), limit, pass}
+	if looksBack(due) {
+		args = append(args, due == DueRecent)
+	}
+	rows, err := dbx.QueryWrite(ctx, q, s.claimSQL[due], args...)
 	if err != nil {
 		return out, err
 	}
@@ -260,7 +264,11 @@ func (s postgres) claimLocked(ctx context.Context, q dbx.Querier, groupID int32,
 	if unlock == nil {
 		unlock = []int64{}
 	}
-	rows, err := dbx.QueryWrite(ctx, q, s.claimLockedSQL[due], groupID, token, key1, limit, skip, pass, unlock)
+	args := []any{groupID, token, key1, limit, skip, pass, unlock}
+	if looksBack(due) {
+		args = append(args, due == DueRecent)
+	}
+	rows, err := dbx.QueryWrite(ctx, q, s.claimLockedSQL[due], args...)
 	if err != nil {
 		return out, nil, err
 	}
@@ -268,6 +276,11 @@ func (s postgres) claimLocked(ctx context.Context, q dbx.Querier, groupID int32,
 	out, err = scanClaimedLines(rows, out, lineSinks{refused: &refused})
 	return out, refused, err
 }
+
+// looksBack says whether the claim statements of due are the one of DueGivenBack and
+// DueRecent, which takes one parameter more: whether to look at the leases that ran out
+// recently (see dueRecentStepSQL).
+func looksBack(due Due) bool { return due == DueGivenBack || due == DueRecent }
 
 func split(fs []Fenced) ([]int64, []int64) {
 	offs := make([]int64, len(fs))

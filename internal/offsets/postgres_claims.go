@@ -107,16 +107,21 @@ func leaseDeadlineSQL(alias string) string {
 // recentWindowSQL is offsets.RecentWindow as an interval literal.
 var recentWindowSQL = fmt.Sprintf("interval '%d milliseconds'", RecentWindow.Milliseconds())
 
-// dueRecentStepSQL is dueStepSQL for DueRecent: d0 is the rows given back that are due (d0g,
-// the negative tokens' range of the primary key) and the held rows whose lease ran out within
-// the last RecentWindow (d0l, a range of the leases index, claimsLeaseIndexSQL), each lowest
-// offsets first and locked unless another claimer has them. d0l names its group as
-// "group_id" + 0, which no index serves, so that the leases index is the only one its
-// conditions can use (see leaseDeadlineSQL); the index holds the deadlines of every group of
-// the topic, whose window it reads. A lease that ran out earlier is not read: the versions of
-// the held claims settled while vacuum is held back lie at their deadlines in that index, and
-// the window reads those of a few seconds only.
-func dueRecentStepSQL(claims, cond, limit string) string {
+// dueRecentStepSQL is dueStepSQL for DueGivenBack and DueRecent: d0 is the rows given back
+// that are due (d0g, the negative tokens' range of the primary key) and, when the parameter
+// recent is true (DueRecent), the held rows whose lease ran out within the last RecentWindow
+// (d0l, a range of the leases index, claimsLeaseIndexSQL), each lowest offsets first and
+// locked unless another claimer has them. The two looks are one statement, so that the rare
+// one (once per IdlePollInterval) runs the prepared statement and the generic plan that the
+// frequent one keeps on each connection: as a statement of its own, most of its runs were a
+// connection's first few, each planned anew for its parameters, which took about three times
+// as long as the claim it made. In the generic plan, the parameter is a filter run once,
+// before the scan of d0l. d0l names its group as "group_id" + 0, which no index serves, so
+// that the leases index is the only one its conditions can use (see leaseDeadlineSQL); the
+// index holds the deadlines of every group of the topic, whose window it reads. A lease that
+// ran out earlier is not read: the versions of the held claims settled while vacuum is held
+// back lie at their deadlines in that index, and the window reads those of a few seconds only.
+func dueRecentStepSQL(claims, cond, limit, recent string) string {
 	return `d0g AS (
 	SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM ` + claims + ` c
 	WHERE c."group_id" = $1 AND c."visible_at" <= now()` + givenBackSQL + cond + sameVersionSQL(claims) + `
@@ -124,7 +129,7 @@ func dueRecentStepSQL(claims, cond, limit string) string {
 	FOR UPDATE SKIP LOCKED
 ), d0l AS (
 	SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM ` + claims + ` c
-	WHERE c."group_id" + 0 = $1 AND ` + leaseDeadlineSQL("c.") + ` <= now()
+	WHERE ` + recent + `::boolean AND c."group_id" + 0 = $1 AND ` + leaseDeadlineSQL("c.") + ` <= now()
 	  AND ` + leaseDeadlineSQL("c.") + ` > now() - ` + recentWindowSQL + cond + sameVersionSQL(claims) + `
 	ORDER BY c."offsets"[1] LIMIT ` + limit + `
 	FOR UPDATE SKIP LOCKED
@@ -191,11 +196,12 @@ const (
 // under token $2 (parameters: lease mode $3 the lease in ms, $5 the delayed messages it may
 // pass; advisory mode $3 the lock key1, $5 the offsets whose locks the session holds already,
 // $6 the delayed messages it may pass, $7 the offsets whose locks it drops, see
-// unlockStepSQL):
+// unlockStepSQL; the statement of DueGivenBack and DueRecent takes one more, lease mode $6 and
+// advisory mode $8: true for DueRecent, see dueRecentStepSQL):
 //   - d0, d1, due (not with DueNone): rows of the group that are due again (with DueAll:
-//     their lease ran out; with DueGivenBack or DueAll: they were nacked or released and their
-//     backoff passed, or are delayed messages whose time came), lowest offsets first; SKIP
-//     LOCKED leaves those another claimer is taking. due is one line per offset, up to $4 in
+//     their lease ran out, with DueRecent: it ran out recently; with every look: they were
+//     nacked or released and their backoff passed, or are delayed messages whose time came),
+//     lowest offsets first; SKIP LOCKED leaves those another claimer is taking. due is one line per offset, up to $4 in
 //     all: the last row it reaches may be taken in part.
 //   - g: if that left room and a message is waiting, the group row, locked (it serialises the
 //     group's claimers for a few milliseconds; an empty poll locks nothing, so it writes
@@ -221,12 +227,12 @@ const (
 //
 // with and cond are the asynchronous-commit prefix and condition of pgTopic.
 func claimSQL(t Tables, with, cond string, due Due, locked bool) string {
-	limit, pass := "$4", "$5"
+	limit, pass, recent := "$4", "$5", "$6"
 	held := `(SELECT clock_timestamp() + $3::float8 * interval '1 millisecond')`
 	taken := `due`
 	newHeld := `m WHERE m."later" IS NULL`
 	if locked {
-		pass = "$6"
+		pass, recent = "$6", "$8"
 		held = `'infinity'::timestamptz`
 		taken = `due, lk WHERE due."offset" = ANY (lk.os)`
 		newHeld = `m, lk WHERE m."offset" = ANY (lk.os)`
@@ -236,10 +242,8 @@ func claimSQL(t Tables, with, cond string, due Due, locked bool) string {
 	switch due {
 	case DueAll:
 		b = fmt.Appendf(b, dueStepSQL("%[1]s", "", "%[2]s", "%[3]s"), t.Claims, cond, limit)
-	case DueGivenBack:
-		b = fmt.Appendf(b, dueStepSQL("%[1]s", givenBackSQL, "%[2]s", "%[3]s"), t.Claims, cond, limit)
-	case DueRecent:
-		b = fmt.Appendf(b, dueRecentStepSQL("%[1]s", "%[2]s", "%[3]s"), t.Claims, cond, limit)
+	case DueGivenBack, DueRecent:
+		b = fmt.Appendf(b, dueRecentStepSQL("%[1]s", "%[2]s", "%[3]s", "%[4]s"), t.Claims, cond, limit, recent)
 	default:
 		b = append(b, `due AS (SELECT NULL::bigint AS "offset", NULL::bigint AS "token", NULL::integer AS "attempts" WHERE false)`...)
 	}
