@@ -114,9 +114,9 @@ var recentWindowSQL = fmt.Sprintf("interval '%d milliseconds'", RecentWindow.Mil
 // locked unless another claimer has them. The two looks are one statement, so that the rare
 // one (once per IdlePollInterval) runs the prepared statement and the generic plan that the
 // frequent one keeps on each connection: as a statement of its own, most of its runs were a
-// connection's first few, each planned anew for its parameters, which took about three times
-// as long as the claim it made. In the generic plan, the parameter is a filter run once,
-// before the scan of d0l. d0l names its group as "group_id" + 0, which no index serves, so
+// connection's first five, each planned anew for its parameters, and planning this statement
+// costs more than running it (BENCHMARKS.md). In the generic plan, the parameter is a filter
+// run once, before the scan of d0l. d0l names its group as "group_id" + 0, which no index serves, so
 // that the leases index is the only one its conditions can use (see leaseDeadlineSQL); the
 // index holds the deadlines of every group of the topic, whose window it reads. A lease that
 // ran out earlier is not read: the versions of the held claims settled while vacuum is held
