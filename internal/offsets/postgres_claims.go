@@ -116,11 +116,12 @@ var recentWindowSQL = fmt.Sprintf("interval '%d milliseconds'", RecentWindow.Mil
 // frequent one keeps on each connection: as a statement of its own, most of its runs were a
 // connection's first five, each planned anew for its parameters, and planning this statement
 // costs more than running it (BENCHMARKS.md). In the generic plan, the parameter is a filter
-// run once, before the scan of d0l. d0l names its group as "group_id" + 0, which no index serves, so
-// that the leases index is the only one its conditions can use (see leaseDeadlineSQL); the
-// index holds the deadlines of every group of the topic, whose window it reads. A lease that
-// ran out earlier is not read: the versions of the held claims settled while vacuum is held
-// back lie at their deadlines in that index, and the window reads those of a few seconds only.
+// run once, before the scan of d0l. d0l names its group as "group_id" + 0, which no index
+// serves, so that the leases index is the only one its conditions can use (see
+// leaseDeadlineSQL); the index holds the deadlines of every group of the topic, whose window
+// it reads. A lease that ran out earlier is not read: the versions of the held claims settled
+// while vacuum is held back lie at their deadlines in that index, and the window reads those
+// of a few seconds only.
 func dueRecentStepSQL(claims, cond, limit, recent string) string {
 	return `d0g AS (
 	SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM ` + claims + ` c
@@ -201,8 +202,8 @@ const (
 //   - d0, d1, due (not with DueNone): rows of the group that are due again (with DueAll:
 //     their lease ran out, with DueRecent: it ran out recently; with every look: they were
 //     nacked or released and their backoff passed, or are delayed messages whose time came),
-//     lowest offsets first; SKIP LOCKED leaves those another claimer is taking. due is one line per offset, up to $4 in
-//     all: the last row it reaches may be taken in part.
+//     lowest offsets first; SKIP LOCKED leaves those another claimer is taking. due is one
+//     line per offset, up to $4 in all: the last row it reaches may be taken in part.
 //   - g: if that left room and a message is waiting, the group row, locked (it serialises the
 //     group's claimers for a few milliseconds; an empty poll locks nothing, so it writes
 //     nothing and takes no transaction id).
