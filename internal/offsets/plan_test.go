@@ -617,6 +617,73 @@ func TestClaimsKeepGenericPlans(t *testing.T) {
 	}
 }
 
+// TestSettlementsKeepGenericPlans checks that acks and extensions of one message at a time keep
+// their generic plan once the claims table has statistics: its rows few, its pages many (the
+// dead versions of settled claims), as the maintenance pass's ANALYZE leaves it. A plan made
+// for the values given that knows the arrays hold one pair, against a generic plan that
+// guesses ten, made the generic plan look dearer on such a table, and the server planned every
+// settlement anew (a millisecond or more of CPU each, on the path of the next claim).
+func TestSettlementsKeepGenericPlans(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tables, pool, db := createTables(t, ctx)
+	store := offsets.NewStore(tables, true)
+	const runs = 8
+	insertMessages(t, ctx, store, db, runs, 16)
+	// Dead versions: rows written and deleted, as settled claims leave them until a vacuum.
+	if _, err := pool.Exec(ctx, fmt.Sprintf(`INSERT INTO %s ("group_id", "token", "attempts", "visible_at", "offsets")
+		SELECT 1000, i, 1, now(), ARRAY[i] FROM generate_series(1, 20000) i`, tables.Claims)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, fmt.Sprintf(`DELETE FROM %s WHERE "group_id" = 1000`, tables.Claims)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, "ANALYZE "+tables.Claims); err != nil {
+		t.Fatal(err)
+	}
+
+	// One session, so that pg_prepared_statements shows the plans of every statement run.
+	conn, err := pgx.Connect(ctx, testdb.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	q := dbx.PgxConn(conn)
+	group, err := store.EnsureGroup(ctx, q, "g", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for round := range runs {
+		token := int64(1<<61 + round)
+		cs, err := store.Claim(ctx, q, group, token, time.Minute, 1, offsets.DueNone, nil)
+		if err != nil || len(cs) != 1 {
+			t.Fatalf("claim, round %d: %d claimed, %v", round, len(cs), err)
+		}
+		fs := offsets.Fence(cs, token)
+		if done, err := store.Extend(ctx, q, group, fs, time.Minute); err != nil || !done[cs[0].Offset] {
+			t.Fatalf("extend, round %d: %v, %v", round, done, err)
+		}
+		if done, err := store.Ack(ctx, q, group, fs); err != nil || !done[cs[0].Offset] {
+			t.Fatalf("ack, round %d: %v, %v", round, done, err)
+		}
+	}
+
+	for _, name := range []string{"ack", "extend"} {
+		var generic, custom int64
+		err := conn.QueryRow(ctx, `SELECT generic_plans, custom_plans FROM pg_prepared_statements
+			WHERE starts_with(statement, $1)`, "/* sqlbroker "+name+" */").Scan(&generic, &custom)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if generic+custom != runs {
+			t.Errorf("%s: %d runs seen, want %d", name, generic+custom, runs)
+		}
+		if generic == 0 {
+			t.Errorf("%s: planned anew on each of its %d runs (no generic plan) once the claims table had statistics", name, custom)
+		}
+	}
+}
+
 // createTables creates the tables of a new topic and returns them with the pool they were
 
 // insertMessages writes n messages of payload bytes each through store (their UUIDs 0 to

@@ -311,7 +311,12 @@ func claimSQL(t Tables, with, cond string, due Due, locked bool) string {
 //   - a: the pairs; k: for each token given, the group's rows of that token, found by their
 //     own probe of the primary key (the LATERAL subquery, which FOR UPDATE keeps from being
 //     flattened into a join, so that no plan reads more of the index than the keys given) and
-//     locked in their newest version, whose offsets are checked (L3).
+//     locked in their newest version, whose offsets are checked (L3). The arrays are read
+//     through subqueries, so that no plan knows their length: a plan made for the values
+//     given counts the pairs, the generic plan guesses ten, and once the claims table has
+//     statistics (an ANALYZE) the ten probes priced that way made the generic plan look
+//     dearer than the custom ones for a single ack, and the server planned every settlement
+//     anew. Read this way both guess alike, and the generic plan is kept.
 //   - hit: per row, the offsets of the pairs that are still in it (gone), and whether they are
 //     all of them (whole).
 //   - del, upd: the rows changed by row address: ack, nack, release and dead-lettering take
@@ -337,7 +342,7 @@ func settleStepsSQL(t Tables, with, cond string, op settleOp, to string) string 
 	// kilobyte of its text (track_activity_query_size), where the rest would be cut.
 	b = fmt.Appendf(b, "/* sqlbroker %s */ ", settleNames[op])
 	b = fmt.Appendf(b, `%[2]sa AS (
-	SELECT a.o, a.t FROM unnest($2::bigint[], $3::bigint[]) AS a(o, t)
+	SELECT a.o, a.t FROM unnest((SELECT $2::bigint[])::bigint[], (SELECT $3::bigint[])::bigint[]) AS a(o, t)
 ), k AS (
 	SELECT x.* FROM (SELECT DISTINCT a.t FROM a) tt,
 	LATERAL (SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM %[1]s c
@@ -439,7 +444,7 @@ func ackHandingOverSQL(t Tables, with, cond string) string {
 	// The steps are formatted already: never a format (a name may hold a %).
 	return settleStepsSQL(t, with, cond, settleAck, "") + fmt.Sprintf(`, ak AS (
 	SELECT `+orderKeySQL+` AS k, min(af.b) AS b
-	FROM done JOIN unnest($2::bigint[], $6::bigint[]) AS af(o, b) ON af.o = done.o, `+byOffsetSQL("m", "done.o")+`
+	FROM done JOIN unnest((SELECT $2::bigint[])::bigint[], (SELECT $6::bigint[])::bigint[]) AS af(o, b) ON af.o = done.o, `+byOffsetSQL("m", "done.o")+`
 	WHERE m."metadata" ? '`+MetaOrderKey+`'
 	GROUP BY 1
 ), nx AS (
