@@ -541,13 +541,7 @@ func TestClaimsKeepGenericPlans(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// One session, so that pg_prepared_statements shows the plans of every statement run.
-	conn, err := pgx.Connect(ctx, testdb.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(context.Background())
-	q := dbx.PgxConn(conn)
+	conn, q := statementsSession(t, ctx)
 	lease, err := store.EnsureGroup(ctx, q, "lease", false)
 	if err != nil {
 		t.Fatal(err)
@@ -642,13 +636,7 @@ func TestSettlementsKeepGenericPlans(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// One session, so that pg_prepared_statements shows the plans of every statement run.
-	conn, err := pgx.Connect(ctx, testdb.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(context.Background())
-	q := dbx.PgxConn(conn)
+	conn, q := statementsSession(t, ctx)
 	group, err := store.EnsureGroup(ctx, q, "g", false)
 	if err != nil {
 		t.Fatal(err)
@@ -756,6 +744,18 @@ func createTables(t testing.TB, ctx context.Context) (offsets.Tables, *pgxpool.P
 		t.Fatal(err)
 	}
 	return tables, pool, db
+}
+
+// statementsSession opens a connection of its own, closed when the test ends: one session, so
+// that pg_prepared_statements shows the plans of every statement the test runs on it.
+func statementsSession(t *testing.T, ctx context.Context) (*pgx.Conn, dbx.Querier) {
+	t.Helper()
+	conn, err := pgx.Connect(ctx, testdb.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	return conn, dbx.PgxConn(conn)
 }
 
 // planModeConn opens a connection of its own whose prepared statements run under mode
@@ -1099,13 +1099,7 @@ func TestRecentLookRunsTheFrequentLooksPlan(t *testing.T) {
 		t.Fatalf("first claim: %d claimed, %v", len(cs), err)
 	}
 
-	// One session, so that pg_prepared_statements shows the plans of its statements.
-	conn, err := pgx.Connect(ctx, testdb.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(context.Background())
-	q := dbx.PgxConn(conn)
+	conn, q := statementsSession(t, ctx)
 	looks := func() (generic, custom int64, statements int) {
 		t.Helper()
 		rows, err := conn.Query(ctx, `SELECT generic_plans, custom_plans FROM pg_prepared_statements
