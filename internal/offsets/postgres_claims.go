@@ -175,6 +175,12 @@ func moveOutSQL(claims string) string {
 )`
 }
 
+// unsizedArraySQL reads the bigint[] parameter p through a subquery, so that no plan knows its
+// length: a plan made for the values given would count the elements, the generic plan guesses
+// ten, and where the costs that follow scale with that count the generic plan looks dearer
+// than the custom ones and the server plans the statement anew at every run.
+func unsizedArraySQL(p string) string { return `(SELECT ` + p + `::bigint[])::bigint[]` }
+
 // unlockStepSQL and unlockLinesSQL drop the session's locks of the offsets in $7 (settled
 // claims' locks, whose drop the subscriber left to its next claim on the lock connection):
 // unl unlocks each, and the last branch of the claim's result returns a line of kind 4 for
@@ -266,7 +272,7 @@ func claimSQL(t Tables, with, cond string, due Due, locked bool) string {
 		UNION ALL
 		SELECT "offset" FROM m WHERE m."later" IS NULL
 	) c
-	WHERE c.o <> ALL ((SELECT $5::bigint[])::bigint[])
+	WHERE c.o <> ALL (`+unsizedArraySQL("$5")+`)
 ), lk AS MATERIALIZED (
 	SELECT coalesce(array_agg(o), '{}') AS os FROM cand
 	WHERE pg_try_advisory_lock($3::int4, (o::bit(32))::int4)
@@ -312,11 +318,9 @@ func claimSQL(t Tables, with, cond string, due Due, locked bool) string {
 //     own probe of the primary key (the LATERAL subquery, which FOR UPDATE keeps from being
 //     flattened into a join, so that no plan reads more of the index than the keys given) and
 //     locked in their newest version, whose offsets are checked (L3). The arrays are read
-//     through subqueries, so that no plan knows their length: a plan made for the values
-//     given counts the pairs, the generic plan guesses ten, and once the claims table has
-//     statistics (an ANALYZE) the ten probes priced that way made the generic plan look
-//     dearer than the custom ones for a single ack, and the server planned every settlement
-//     anew. Read this way both guess alike, and the generic plan is kept.
+//     through unsizedArraySQL: once the claims table has statistics (an ANALYZE), the
+//     generic plan's ten probes would otherwise look dearer than a single ack's one, and the
+//     server would plan every settlement anew.
 //   - hit: per row, the offsets of the pairs that are still in it (gone), and whether they are
 //     all of them (whole).
 //   - del, upd: the rows changed by row address: ack, nack, release and dead-lettering take
@@ -342,7 +346,7 @@ func settleStepsSQL(t Tables, with, cond string, op settleOp, to string) string 
 	// kilobyte of its text (track_activity_query_size), where the rest would be cut.
 	b = fmt.Appendf(b, "/* sqlbroker %s */ ", settleNames[op])
 	b = fmt.Appendf(b, `%[2]sa AS (
-	SELECT a.o, a.t FROM unnest((SELECT $2::bigint[])::bigint[], (SELECT $3::bigint[])::bigint[]) AS a(o, t)
+	SELECT a.o, a.t FROM unnest(`+unsizedArraySQL("$2")+`, `+unsizedArraySQL("$3")+`) AS a(o, t)
 ), k AS (
 	SELECT x.* FROM (SELECT DISTINCT a.t FROM a) tt,
 	LATERAL (SELECT c.ctid AS r, c."token", c."attempts", c."offsets" FROM %[1]s c
@@ -444,7 +448,7 @@ func ackHandingOverSQL(t Tables, with, cond string) string {
 	// The steps are formatted already: never a format (a name may hold a %).
 	return settleStepsSQL(t, with, cond, settleAck, "") + fmt.Sprintf(`, ak AS (
 	SELECT `+orderKeySQL+` AS k, min(af.b) AS b
-	FROM done JOIN unnest((SELECT $2::bigint[])::bigint[], (SELECT $6::bigint[])::bigint[]) AS af(o, b) ON af.o = done.o, `+byOffsetSQL("m", "done.o")+`
+	FROM done JOIN unnest(`+unsizedArraySQL("$2")+`, `+unsizedArraySQL("$6")+`) AS af(o, b) ON af.o = done.o, `+byOffsetSQL("m", "done.o")+`
 	WHERE m."metadata" ? '`+MetaOrderKey+`'
 	GROUP BY 1
 ), nx AS (
